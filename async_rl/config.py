@@ -1,0 +1,429 @@
+"""Run configuration: one frozen dataclass per concept, YAML presets, dotted overrides.
+
+Owns: the declared fields (each with a one-line meaning and unit), parsing of YAML
+and `group.key=value` overrides into those types, validation that names the field
+and the value received, and the list of fields that define what the data stream
+means (a resume may not change them). Does not own: checks that need devices
+(mesh vs. device count lives in `sharding`) or a checkpoint (lives in `checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A usage or configuration error: the CLI prints it on one line and exits 2."""
+
+
+def _check(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _one_of(key: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/tiny"  # run directory: config.yaml, logs, lineage, checkpoints
+    seed: int = 0  # seeds parameter init and the per-token sampling keys
+    resume: str = "auto"  # auto: resume if run.dir has a checkpoint | never | must
+    determinism: bool = False  # bit-identical resume (in_order sampler only)
+    compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
+
+    def __post_init__(self):
+        _check(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
+        _one_of("run.resume", self.resume, ("auto", "never", "must"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic | jsonl | parquet
+    task: str = "reverse"  # synthetic task: reverse | addition
+    path: str = ""  # prompt file for jsonl/parquet sources
+    num_records: int = 2048  # records per epoch (synthetic); 0 = the whole file
+    shuffle: bool = True  # reshuffle the records every epoch
+    seed: int = 0  # seed for synthetic records and the shuffle
+    num_epochs: int = 1  # passes over the records; the run ends after the last
+    min_digits: int = 3  # synthetic tasks: shortest operand, digits
+    max_digits: int = 6  # synthetic tasks: longest operand, digits
+    prompt_field: str = "prompt"  # file sources: field holding the prompt text
+    answer_field: str = "answer"  # file sources: field holding the reference answer
+    id_field: str = ""  # file sources: integer id field; "" = row number
+    on_bad_record: str = "error"  # error: stop naming file and line | skip: skip and count
+
+    def __post_init__(self):
+        _one_of("data.source", self.source, ("synthetic", "jsonl", "parquet"))
+        if self.source == "synthetic":
+            _one_of("data.task", self.task, ("reverse", "addition"))
+            _check(self.num_records > 0, "data.num_records", self.num_records, "must be > 0")
+        else:
+            _check(bool(self.path), "data.path", self.path, f"required for data.source={self.source}")
+            _check(self.num_records >= 0, "data.num_records", self.num_records, "must be >= 0")
+        _check(self.num_epochs > 0, "data.num_epochs", self.num_epochs, "must be > 0")
+        _check(self.min_digits >= 1, "data.min_digits", self.min_digits, "must be >= 1")
+        _check(self.max_digits >= self.min_digits, "data.max_digits", self.max_digits,
+               f"must be >= data.min_digits ({self.min_digits})")
+        _one_of("data.on_bad_record", self.on_bad_record, ("error", "skip"))
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    path: str = ""  # directory with tokenizer.json; "" = built-in byte tokenizer
+    template: str = "{prompt}"  # prompt template; {prompt} is replaced by the record's prompt
+    chat: bool = False  # wrap the prompt with the tokenizer's chat template
+
+    def __post_init__(self):
+        _check("{prompt}" in self.template, "tokenizer.template", self.template,
+               "must contain {prompt}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_path: str = ""  # local Hugging Face checkpoint dir; "" = random init from the fields below
+    vocab_size: int = 0  # embedding rows; 0 = the tokenizer's vocabulary size
+    d_model: int = 64  # residual width, units
+    n_layers: int = 2  # transformer blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 4  # key/value heads (< n_heads = grouped-query attention)
+    head_dim: int = 0  # per-head width; 0 = d_model // n_heads
+    d_ff: int = 256  # SwiGLU hidden width, units
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_embeddings: bool = True  # output projection shares the embedding matrix
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2-style)
+    dtype: str = "float32"  # activation/compute dtype
+    param_dtype: str = "float32"  # parameter storage dtype
+
+    def __post_init__(self):
+        for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            _check(getattr(self, k) > 0, f"model.{k}", getattr(self, k), "must be > 0")
+        _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0")
+        _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+               f"must divide model.n_heads ({self.n_heads})")
+        if self.head_dim == 0:
+            _check(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
+                   f"must divide model.d_model ({self.d_model}) when model.head_dim=0")
+        _check(self.head_dim >= 0 and self.resolved_head_dim % 2 == 0, "model.head_dim",
+               self.head_dim, "must be even (RoPE rotates pairs)")
+        for k in ("dtype", "param_dtype"):
+            _one_of(f"model.{k}", getattr(self, k), ("float32", "bfloat16", "float16"))
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_concurrent_decodes: int = 64  # KV-cache slots decoded together (continuous batching)
+    max_prompt_len: int = 16  # prompt tokens; longer prompts are a data error
+    temperature: float = 1.0  # sampling temperature; 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus mass kept; 1 = off
+
+    def __post_init__(self):
+        _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes",
+               self.max_concurrent_decodes, "must be > 0")
+        _check(self.max_prompt_len > 0, "engine.max_prompt_len", self.max_prompt_len, "must be > 0")
+        _check(self.temperature >= 0, "engine.temperature", self.temperature, "must be >= 0")
+        _check(self.top_k >= 0, "engine.top_k", self.top_k, "must be >= 0")
+        _check(0 < self.top_p <= 1, "engine.top_p", self.top_p, "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = 32  # groups (prompts) trained per learner step
+    samples_per_prompt: int = 8  # completions per prompt (the GRPO group)
+    max_new_tokens: int = 8  # completion length cap, tokens
+    reward: str = ""  # reward function name or module:function; "" = the task's own
+    partial: bool = False  # publish weights mid-generation; samples continue under new weights
+    filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
+
+    def __post_init__(self):
+        _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
+        _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt,
+               "must be > 0")
+        _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    name: str = "in_order"  # in_order | fifo | windowed
+    max_lookahead: int = 1  # in_order: steps generation may run ahead of the learner
+    max_staleness: Optional[int] = None  # fifo/windowed: oldest policy version lag trained
+    max_buffered_groups: int = 0  # hard cap on READY + GENERATING groups; 0 = automatic
+
+    def __post_init__(self):
+        _one_of("sampler.name", self.name, ("in_order", "fifo", "windowed"))
+        _check(self.max_lookahead >= 0, "sampler.max_lookahead", self.max_lookahead, "must be >= 0")
+        if self.max_staleness is not None:
+            _check(self.max_staleness >= 0, "sampler.max_staleness", self.max_staleness, "must be >= 0")
+        _check(self.max_buffered_groups >= 0, "sampler.max_buffered_groups",
+               self.max_buffered_groups, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    lr: float = 1e-3  # peak learning rate
+    warmup_steps: int = 5  # linear warm-up, steps
+    schedule: str = "constant"  # after warm-up: constant | cosine (to lr * end_lr_ratio)
+    decay_steps: int = 0  # cosine decay length, steps; 0 = train.max_steps
+    end_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.99  # Adam beta2
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
+    clip_eps: float = 0.2  # PPO ratio clip (lower and upper)
+    is_correction: str = "tis"  # off-policy correction: none | tis | seq_tis | decoupled
+    is_cap: float = 2.0  # truncation cap for importance weights
+    kl_coef: float = 0.0  # KL penalty to the frozen initial policy; 0 = no reference model
+    adv_eps: float = 1e-6  # added to the group reward std before dividing
+
+    def __post_init__(self):
+        _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
+        _check(self.warmup_steps >= 0, "learner.warmup_steps", self.warmup_steps, "must be >= 0")
+        _one_of("learner.schedule", self.schedule, ("constant", "cosine"))
+        _check(self.decay_steps >= 0, "learner.decay_steps", self.decay_steps, "must be >= 0")
+        _check(0 <= self.end_lr_ratio <= 1, "learner.end_lr_ratio", self.end_lr_ratio, "must be in [0, 1]")
+        _check(self.weight_decay >= 0, "learner.weight_decay", self.weight_decay, "must be >= 0")
+        _check(0 <= self.b1 < 1, "learner.b1", self.b1, "must be in [0, 1)")
+        _check(0 <= self.b2 < 1, "learner.b2", self.b2, "must be in [0, 1)")
+        _check(self.grad_clip >= 0, "learner.grad_clip", self.grad_clip, "must be >= 0")
+        _check(0 < self.clip_eps < 1, "learner.clip_eps", self.clip_eps, "must be in (0, 1)")
+        _one_of("learner.is_correction", self.is_correction, ("none", "tis", "seq_tis", "decoupled"))
+        _check(self.is_cap >= 1, "learner.is_cap", self.is_cap, "must be >= 1")
+        _check(self.kl_coef >= 0, "learner.kl_coef", self.kl_coef, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = 0  # stop after this many learner steps in total; 0 = when the data ends
+    reward_target: float = 0.9  # reported at the end: first step whose mean reward reached it
+
+    def __post_init__(self):
+        _check(self.max_steps >= 0, "train.max_steps", self.max_steps, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # data-parallel axis size; -1 = all learner devices left over
+    fsdp: int = 1  # parameter/optimizer sharding axis size
+    tensor: int = 1  # tensor-parallel axis size
+    engine_devices: int = 0  # devices given to the engine alone; 0 = share the learner's
+
+    def __post_init__(self):
+        _check(self.data == -1 or self.data > 0, "mesh.data", self.data, "must be -1 or > 0")
+        _check(self.fsdp > 0, "mesh.fsdp", self.fsdp, "must be > 0")
+        _check(self.tensor > 0, "mesh.tensor", self.tensor, "must be > 0")
+        _check(self.engine_devices >= 0, "mesh.engine_devices", self.engine_devices, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 50  # save every N learner steps; 0 = only at the end and on SIGTERM
+    keep: int = 2  # committed steps kept on disk
+    async_: bool = True  # write in the background while the learner trains (YAML key: async)
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "checkpoint.every_steps", self.every_steps, "must be >= 0")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    progress: bool = True  # live progress bar on stderr
+    tensorboard: bool = True  # TensorBoard event files in run.dir/tb
+    plot: bool = True  # reward.png learning curve at the end
+    every_steps: int = 1  # console/TensorBoard cadence, steps (metrics.jsonl gets every step)
+
+    def __post_init__(self):
+        _check(self.every_steps > 0, "log.every_steps", self.every_steps, "must be > 0")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self):
+        s = self.sampler
+        if s.name == "in_order":
+            _check(s.max_staleness is None, "sampler.max_staleness", s.max_staleness,
+                   "applies to fifo/windowed; in_order bounds staleness with sampler.max_lookahead")
+        else:
+            _check(not self.run.determinism, "run.determinism", True,
+                   f"needs sampler.name=in_order (got {s.name})")
+        if s.max_buffered_groups:
+            _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups",
+                   s.max_buffered_groups,
+                   f"must hold at least one step (rollout.prompts_per_step={self.rollout.prompts_per_step})")
+        _check(self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", self.rollout.max_new_tokens,
+               "must be >= 1")
+
+
+GROUPS = tuple(f.name for f in dataclasses.fields(Config))
+# Fields whose change would make a checkpoint's iterator state and ledger mean other prompts.
+DATA_STREAM_FIELDS = (
+    "data.source", "data.task", "data.path", "data.num_records", "data.seed", "data.shuffle",
+    "data.min_digits", "data.max_digits", "data.prompt_field", "data.answer_field", "data.id_field",
+    "rollout.prompts_per_step", "rollout.samples_per_prompt",
+)
+_YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
+_FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
+
+
+def _group_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {g: hints[g] for g in GROUPS}
+
+
+def _parse_scalar(key: str, raw: Any, tp: Any) -> Any:
+    """Parses `raw` (an override string or a YAML value) into the declared type `tp`."""
+    optional = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional, tp = True, args[0]
+    if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", ""))):
+        return None
+    try:
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in ("true", "1", "yes", "on"):
+                return True
+            if s in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(str(raw).strip()) if isinstance(raw, str) else int(raw)
+        if tp is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if tp is str:
+            if isinstance(raw, (dict, list)):
+                raise ValueError
+            return "" if raw is None else str(raw)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise ConfigError(f"{key}: unsupported field type {tp}")
+    raise ConfigError(f"{key}={raw!r}: expected {'optional ' if optional else ''}{tp.__name__}")
+
+
+def _set_path(tree: dict, key: str, raw: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"{key}: expected group.field (groups: {', '.join(GROUPS)})")
+    group, name = parts
+    if group not in GROUPS:
+        raise ConfigError(f"{key}: unknown config group {group!r} (groups: {', '.join(GROUPS)})")
+    fname = _YAML_ALIASES.get(name, name)
+    ftypes = typing.get_type_hints(_group_types()[group])
+    if fname not in ftypes:
+        known = ", ".join(_FIELD_ALIASES.get(f, f) for f in ftypes)
+        raise ConfigError(f"{key}: unknown key (fields of {group}: {known})")
+    tree.setdefault(group, {})[fname] = _parse_scalar(key, raw, ftypes[fname])
+
+
+def build(tree: dict[str, dict[str, Any]]) -> Config:
+    """Builds and validates a Config from {group: {field: parsed value}}."""
+    try:
+        groups = {g: tp(**tree.get(g, {})) for g, tp in _group_types().items()}
+        return Config(**groups)
+    except TypeError as e:  # a dataclass rejected a keyword: report it as a config error
+        raise ConfigError(str(e)) from None
+
+
+def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads a YAML preset (optional) and applies `group.field=value` overrides, in order."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config={path!r}: no such file")
+        try:
+            doc = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config={path!r}: not valid YAML ({e})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"--config={path!r}: top level must be a mapping of config groups")
+        for group, fields_ in doc.items():
+            if not isinstance(fields_, dict):
+                raise ConfigError(f"{group}: expected a mapping of fields in {path}")
+            for name, raw in fields_.items():
+                _set_path(tree, f"{group}.{name}", raw)
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"{ov!r}: overrides are written group.field=value")
+        key, raw = ov.split("=", 1)
+        _set_path(tree, key.strip(), raw)
+    return build(tree)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Plain nested dict with YAML key names (`async`, not `async_`)."""
+    out = {}
+    for g in GROUPS:
+        sub = dataclasses.asdict(getattr(cfg, g))
+        out[g] = {_FIELD_ALIASES.get(k, k): v for k, v in sub.items()}
+    return out
+
+
+def from_dict(tree: dict[str, dict[str, Any]]) -> Config:
+    """Inverse of `to_dict` (e.g. for a config.yaml written by a run)."""
+    parsed: dict[str, dict[str, Any]] = {}
+    for g, sub in tree.items():
+        for k, v in sub.items():
+            _set_path(parsed, f"{g}.{k}", v)
+    return build(parsed)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def replace(cfg: Config, **groups: dict[str, Any]) -> Config:
+    """Copy of `cfg` with fields replaced per group, e.g. replace(cfg, train={"max_steps": 4})."""
+    new = {g: dataclasses.replace(getattr(cfg, g), **{_YAML_ALIASES.get(k, k): v for k, v in kv.items()})
+           for g, kv in groups.items()}
+    return dataclasses.replace(cfg, **new)
+
+
+def get(cfg: Config, dotted: str) -> Any:
+    group, name = dotted.split(".")
+    return getattr(getattr(cfg, group), _YAML_ALIASES.get(name, name))
+
+
+def data_stream(cfg: Config) -> dict[str, Any]:
+    """The fields that define which prompts the stream yields, in which order and grouping."""
+    return {k: get(cfg, k) for k in DATA_STREAM_FIELDS}
+
+
+def fingerprint(d: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
