@@ -80,11 +80,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    path: str = ""  # directory with tokenizer.json; "" = built-in byte tokenizer
+    kind: str = "auto"  # auto: hf if path is set, else char (synthetic) or byte | hf | byte | char
+    path: str = ""  # directory with tokenizer.json (a Hugging Face tokenizer)
     template: str = "{prompt}"  # prompt template; {prompt} is replaced by the record's prompt
     chat: bool = False  # wrap the prompt with the tokenizer's chat template
 
     def __post_init__(self):
+        _one_of("tokenizer.kind", self.kind, ("auto", "hf", "byte", "char"))
         _check("{prompt}" in self.template, "tokenizer.template", self.template,
                "must contain {prompt}")
 
@@ -103,6 +105,7 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_embeddings: bool = True  # output projection shares the embedding matrix
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2-style)
+    learned_positions: int = 0  # learned absolute position table over columns (>= P + N); 0 = RoPE only
     dtype: str = "float32"  # activation/compute dtype
     param_dtype: str = "float32"  # parameter storage dtype
 
@@ -117,6 +120,7 @@ class ModelConfig:
                    f"must divide model.d_model ({self.d_model}) when model.head_dim=0")
         _check(self.head_dim >= 0 and self.resolved_head_dim % 2 == 0, "model.head_dim",
                self.head_dim, "must be even (RoPE rotates pairs)")
+        _check(self.learned_positions >= 0, "model.learned_positions", self.learned_positions, "must be >= 0")
         for k in ("dtype", "param_dtype"):
             _one_of(f"model.{k}", getattr(self, k), ("float32", "bfloat16", "float16"))
 
@@ -279,8 +283,10 @@ class Config:
             _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups",
                    s.max_buffered_groups,
                    f"must hold at least one step (rollout.prompts_per_step={self.rollout.prompts_per_step})")
-        _check(self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", self.rollout.max_new_tokens,
-               "must be >= 1")
+        width = self.engine.max_prompt_len + self.rollout.max_new_tokens
+        if self.model.learned_positions:
+            _check(self.model.learned_positions >= width, "model.learned_positions", self.model.learned_positions,
+                   f"must cover engine.max_prompt_len + rollout.max_new_tokens ({width})")
 
 
 GROUPS = tuple(f.name for f in dataclasses.fields(Config))
@@ -427,3 +433,20 @@ def data_stream(cfg: Config) -> dict[str, Any]:
 
 def fingerprint(d: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def field_docs() -> dict[str, list[tuple[str, str, str]]]:
+    """{group: [(key, default, comment)]}, the comments read from this module's source."""
+    import inspect
+    out = {}
+    for g, tp in _group_types().items():
+        src = inspect.getsource(tp).splitlines()
+        comments = {}
+        for line in src:
+            stripped = line.strip()
+            if ":" in stripped and "#" in stripped and not stripped.startswith(("#", "def", "_check")):
+                name = stripped.split(":", 1)[0].strip()
+                comments[name] = stripped.split("#", 1)[1].strip()
+        out[g] = [(_FIELD_ALIASES.get(f.name, f.name), repr(f.default), comments.get(f.name, ""))
+                  for f in dataclasses.fields(tp)]
+    return out

@@ -1,0 +1,97 @@
+"""Command line: `async-rl train|audit|export`. Parses, prints the resolved config, calls in.
+
+Owns: argument parsing, help that lists every config group and field, and the mapping
+from error kinds to exit codes (2: usage, config, bad data or checkpoint input; 1: a
+failure during the run). Does not own: anything the commands do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import config as C
+
+
+def _groups_help() -> str:
+    lines = ["config groups (override any field as group.field=value):"]
+    for g, fields in C.field_docs().items():
+        lines.append(f"  {g}: " + ", ".join(k for k, _, _ in fields))
+    return "\n".join(lines)
+
+
+def _fields_help() -> str:
+    lines = ["config fields (group.field=value overrides, applied after --config):"]
+    for g, fields in C.field_docs().items():
+        lines.append(f"\n  {g}")
+        for k, default, comment in fields:
+            lines.append(f"    {g + '.' + k:<30} {default:<12} {comment}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL post-training for LM policies on "
+                                "JAX, with every prompt trained exactly once per epoch across restarts.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_groups_help())
+    sub = p.add_subparsers(dest="cmd", metavar="{train,audit,export}")
+    t = sub.add_parser("train", help="train (or resume) a run", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=_fields_help())
+    t.add_argument("--config", help="YAML preset (e.g. configs/tiny.yaml)")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    t.add_argument("overrides", nargs="*", help="group.field=value")
+    a = sub.add_parser("audit", help="check the lineage log: every prompt trained exactly once per epoch")
+    a.add_argument("run_dir")
+    a.add_argument("--json", action="store_true", help="machine-readable report")
+    e = sub.add_parser("export", help="write a trained policy as a Hugging Face-format directory")
+    e.add_argument("run_dir")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    e.add_argument("--out", required=True, help="output directory")
+    return p
+
+
+def _err(msg: str, code: int) -> int:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd is None:
+        _parser().print_help()
+        return 2
+    if args.cmd == "audit":
+        from .audit import AuditError, audit, format_report
+        try:
+            rep = audit(args.run_dir)
+        except AuditError as e:
+            return _err(str(e), 2)
+        print(json.dumps(rep, indent=1) if args.json else format_report(rep))
+        return 0 if rep["ok"] else 1
+    if args.cmd == "export":
+        from .export import export
+        try:
+            out = export(args.run_dir, args.out, step=args.step)
+        except (C.ConfigError, FileNotFoundError, ValueError) as e:
+            return _err(str(e), 2)
+        print(f"exported to {out}")
+        return 0
+    try:
+        cfg = C.load(args.config, args.overrides)
+    except C.ConfigError as e:
+        return _err(str(e), 2)
+    print("# resolved config\n" + C.to_yaml(cfg), flush=True)
+    if args.print_config:
+        return 0
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .train import train
+    try:
+        res = train(cfg)
+    except (C.ConfigError, DataError, CheckpointError) as e:
+        return _err(str(e), 2)
+    return res.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""GRPO advantages and the clipped policy-gradient loss with off-policy corrections.
+
+Owns: pure jnp functions from per-token logprobs, rewards and masks to a scalar loss and
+its statistics. Does not own: the model forward pass, sharding or the optimizer
+(learner), or where behaviour logprobs come from (engine).
+
+Three policies appear: the behaviour policy mu that generated the tokens (its fp32
+logprobs come from the engine), the proximal policy pi_prox (the learner's weights at
+the start of the step; with one update per step it equals the current weights under
+stop-gradient) and the policy pi_theta being optimised.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def grpo_advantages(rewards_GxS: jax.Array, eps: float) -> jax.Array:
+    """Group-normalised advantages: (r - mean_group) / (std_group + eps)."""
+    mean = rewards_GxS.mean(axis=-1, keepdims=True)
+    std = rewards_GxS.std(axis=-1, keepdims=True)
+    return (rewards_GxS - mean) / (std + eps)
+
+
+def token_logprobs(logits_BxNxV: jax.Array, tokens_BxN: jax.Array, temperature: float) -> jax.Array:
+    """fp32 log pi(token) under temperature-scaled logits (the engine's exact quantity)."""
+    t = temperature if temperature > 0 else 1.0
+    logp = jax.nn.log_softmax(logits_BxNxV.astype(jnp.float32) / t, axis=-1)
+    return jnp.take_along_axis(logp, tokens_BxN[..., None], axis=-1)[..., 0]
+
+
+def _masked_mean(x, mask):
+    return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def policy_loss(logp_BxN, behav_BxN, adv_B, mask_BxN, *, clip_eps: float, correction: str,
+                is_cap: float, prox_BxN=None):
+    """Token-mean clipped surrogate with an importance correction for off-policy tokens.
+
+    correction:
+      none      ratio pi_theta/mu, PPO-clip; mu plays the old policy.
+      tis       ratio pi_theta/pi_prox, PPO-clip, times w = min(pi_prox/mu, is_cap) per token.
+      seq_tis   as tis, w = min(prod_t pi_prox/mu, is_cap) per sequence.
+      decoupled ratio pi_theta/pi_prox, PPO-clip, times w = pi_prox/mu; tokens with w > is_cap
+                are masked out (decoupled PPO with a behaviour-weight cap).
+    Returns (loss, stats) with importance-weight mean/max and the clipped fractions.
+    """
+    mask = mask_BxN.astype(jnp.float32)
+    if prox_BxN is None:
+        prox_BxN = jax.lax.stop_gradient(logp_BxN)
+    adv = adv_B[:, None]
+    if correction == "none":
+        log_ratio, log_w = logp_BxN - behav_BxN, jnp.zeros_like(logp_BxN)
+    else:
+        log_ratio = logp_BxN - prox_BxN
+        log_w = jax.lax.stop_gradient(prox_BxN - behav_BxN)
+        if correction == "seq_tis":
+            log_w = jnp.broadcast_to((log_w * mask).sum(axis=1, keepdims=True), log_w.shape)
+    ratio = jnp.exp(log_ratio)
+    raw_w = jnp.exp(jnp.minimum(log_w, 30.0))  # exp overflow guard; far above any cap
+    if correction in ("tis", "seq_tis"):
+        w, w_clipped = jnp.minimum(raw_w, is_cap), raw_w > is_cap
+    elif correction == "decoupled":
+        w_clipped = raw_w > is_cap
+        w = jnp.where(w_clipped, 0.0, raw_w)
+    else:
+        w, w_clipped = raw_w, jnp.zeros_like(raw_w, bool)
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    surrogate = jnp.minimum(unclipped, clipped)
+    loss = -_masked_mean(w * surrogate, mask)
+    # the importance weight that multiplies the gradient of log pi_theta, per token
+    is_weight = jax.lax.stop_gradient(ratio if correction == "none" else raw_w)
+    stats = {
+        "clip_frac": _masked_mean((clipped < unclipped).astype(jnp.float32), mask),
+        "is_weight_mean": _masked_mean(is_weight, mask),
+        "is_weight_max": jnp.max(jnp.where(mask > 0, is_weight, 0.0)),
+        "is_clip_frac": _masked_mean(w_clipped.astype(jnp.float32), mask),
+    }
+    return loss, stats
+
+
+def kl_k3(logp_BxN, ref_BxN, mask_BxN):
+    """Unbiased, non-negative KL(pi_theta || pi_ref) estimator exp(d) - d - 1, d = ref - logp."""
+    d = ref_BxN - logp_BxN
+    return _masked_mean(jnp.exp(d) - d - 1.0, mask_BxN.astype(jnp.float32))

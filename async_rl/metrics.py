@@ -1,0 +1,142 @@
+"""Run outputs: append-only JSONL logs that follow the checkpoint, TensorBoard, progress, plot.
+
+Owns: `JsonlLog` (lineage.jsonl, metrics.jsonl, drops.jsonl: appended and flushed per
+line, truncated back to a checkpoint's recorded byte size on resume), the per-step
+metrics sink (metrics.jsonl + TensorBoard + the rich progress bar + console lines), and
+the reward curve PNG. Does not own: computing metrics (learner, pump, train).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class JsonlLog:
+    """An append-only JSON-lines file whose valid length is recorded in checkpoints."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+
+    def truncate(self, nbytes: int) -> int:
+        """Cuts the file back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
+        self._f.flush()
+        size = self.path.stat().st_size
+        if size > nbytes:
+            os.truncate(self.path, nbytes)
+        self._f.seek(0, os.SEEK_END)
+        return max(0, size - nbytes)
+
+    def append(self, rows: list[dict]) -> None:
+        if rows:
+            self._f.write(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
+            self._f.flush()  # survives SIGKILL of this process (the OS holds the page)
+
+    def tell(self) -> int:
+        self._f.flush()
+        return self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+class MetricsSink:
+    """metrics.jsonl every step; TensorBoard and the console every `every` steps."""
+
+    CONSOLE = ("rollout/reward_mean", "learner/loss", "learner/entropy", "perf/tokens_per_s",
+               "perf/learner_idle_frac", "rollout/staleness_mean")
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
+                 start_step: int, console=print):
+        self.jsonl = JsonlLog(run_dir / "metrics.jsonl")
+        self.every, self.console = every, console
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported lazily: it is slow to import
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
+        self.progress = None
+        if progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                     TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                     transient=False, refresh_per_second=4)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, reward="-", tps="-")
+            self.progress.start()
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "time": round(time.time(), 3)}
+        row.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()})
+        self.jsonl.append([row])
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, reward=_fmt(metrics.get("rollout/reward_mean", "-")),
+                                 tps=f"{metrics.get('perf/tokens_per_s', 0):.0f}")
+        if step % self.every == 0:
+            if self.tb is not None:
+                for k, v in metrics.items():
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        self.tb.add_scalar(k, v, step)
+            if self.progress is None:
+                self.console(f"step {step}: " + " ".join(f"{k.split('/')[-1]}={_fmt(metrics[k])}"
+                                                         for k in self.CONSOLE if k in metrics))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self.jsonl.close()
+
+
+def plot_rewards(metrics_path: Path, out: Path) -> bool:
+    """reward.png: mean reward per step (with a moving average) from metrics.jsonl."""
+    rows = [r for r in read_jsonl(metrics_path) if r.get("rollout/reward_mean") is not None]
+    if not rows:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r["step"] for r in rows]
+    rew = [r["rollout/reward_mean"] for r in rows]
+    k = max(1, len(rew) // 20)
+    smooth = [sum(rew[max(0, i - k + 1):i + 1]) / len(rew[max(0, i - k + 1):i + 1]) for i in range(len(rew))]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, rew, alpha=0.35, label="mean reward")
+    ax.plot(steps, smooth, label=f"moving average ({k})")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return True
+
+
+def stderr_console(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

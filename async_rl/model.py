@@ -1,0 +1,253 @@
+"""Decoder-only transformer policy (Flax NNX): the one network engine and learner share.
+
+Owns: the parameter tree (names, shapes, logical `axes` metadata per parameter), the
+full-sequence forward pass, the prefill/decode pair over a stacked KV cache, and the
+sequence layout those share. Does not own: sharding (reads `axes` elsewhere), sampling
+and slot management (`engine`), losses (`learner`), checkpoint conversion.
+
+Sequence layout. A row has width T = P + N (P = max prompt length, N = max new tokens).
+A prompt of length L is left-padded into columns [P-L, P); the completion starts at
+column P. `start = P - L` is the first valid column, the RoPE position of a column is
+`column - start`, and pad columns are masked out as keys. Because every consumer uses
+this layout, the engine's logprobs and the learner's recomputation see the same
+computation up to floating-point reassociation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TypedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from async_rl.config import ModelConfig
+
+# Finite, so that a query with no visible key (a pad column, or a fully padded row)
+# gets a uniform softmax instead of NaN.
+_MASK_VALUE = -1e30
+
+
+class KVCache(TypedDict):
+    k: jax.Array  # [n_layers, B, T, Hkv, hd], keys after RoPE
+    v: jax.Array  # [n_layers, B, T, Hkv, hd]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """Zeroed cache; layers stacked first and batch second so a slot is `[:, s]`."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def layout(prompt_len: int, max_prompt_len: int, width: int, n_filled: int | None = None):
+    """(start, positions_T, valid_T) for one row; `n_filled` columns from `start` are valid."""
+    start = max_prompt_len - prompt_len
+    n_filled = prompt_len if n_filled is None else n_filled
+    cols = np.arange(width)
+    valid = (cols >= start) & (cols < start + n_filled)
+    positions = np.maximum(cols - start, 0).astype(np.int32)
+    return start, positions, valid
+
+
+class Linear(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool, std: float, cfg: ModelConfig,
+                 rngs: nnx.Rngs):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), pdt), axes=axes)
+        self.bias = nnx.Param(jnp.zeros((d_out,), pdt), axes=(axes[1],)) if bias else None
+
+    def __call__(self, x):
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(cfg.dtype)
+        init = jax.random.normal(rngs.params(), (vocab, dim), jnp.dtype(cfg.param_dtype)) / math.sqrt(dim)
+        self.embedding = nnx.Param(init, axes=("vocab", "embed"))
+
+    def __call__(self, tokens):
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+    def attend(self, x):
+        """Tied output projection; accumulates in fp32 so logits are fp32 whatever the dtype."""
+        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, cfg: ModelConfig):
+        self.eps = cfg.norm_eps
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(cfg.param_dtype)), axes=("embed",))
+
+    def __call__(self, x):
+        # fp32 statistics: bf16 mean-of-squares loses enough precision to move logprobs.
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def rope(x_BxTxHxD, positions_BxT, theta: float):
+    """HF-Llama rotary embedding: non-interleaved halves, rotate_half, computed in fp32."""
+    hd = x_BxTxHxD.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x = x_BxTxHxD.astype(jnp.float32)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * cos + rotated * sin).astype(x_BxTxHxD.dtype)
+
+
+def attend(q_BxQxHxD, k_BxKxGxD, v_BxKxGxD, mask_BxQxK):
+    """Grouped-query attention; softmax in fp32. G = kv heads, H = G * group size."""
+    b, nq, h, d = q_BxQxHxD.shape
+    g = k_BxKxGxD.shape[2]
+    q = q_BxQxHxD.reshape(b, nq, g, h // g, d)
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k_BxKxGxD, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(d)
+    scores = jnp.where(mask_BxQxK[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxGxD.dtype)
+    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v_BxKxGxD)
+    return out.reshape(b, nq, h * d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim, self.theta = h, g, hd, cfg.rope_theta
+        std = 1.0 / math.sqrt(d)
+        self.q = Linear(d, h * hd, ("embed", "heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
+        self.k = Linear(d, g * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
+        self.v = Linear(d, g * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
+        # Residual-branch outputs scaled down so the stream's variance stays O(1) with depth.
+        o_std = 1.0 / math.sqrt(h * hd) / math.sqrt(2 * cfg.n_layers)
+        self.o = Linear(h * hd, d, ("heads", "embed"), bias=False, std=o_std, cfg=cfg, rngs=rngs)
+
+    def qkv(self, x_BxTxD, positions_BxT):
+        b, t, _ = x_BxTxD.shape
+        q = self.q(x_BxTxD).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k(x_BxTxD).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v(x_BxTxD).reshape(b, t, self.n_kv_heads, self.head_dim)
+        return rope(q, positions_BxT, self.theta), rope(k, positions_BxT, self.theta), v
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.gate = Linear(d, f, ("embed", "mlp"), bias=False, std=1 / math.sqrt(d), cfg=cfg, rngs=rngs)
+        self.up = Linear(d, f, ("embed", "mlp"), bias=False, std=1 / math.sqrt(d), cfg=cfg, rngs=rngs)
+        down_std = 1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers)
+        self.down = Linear(f, d, ("mlp", "embed"), bias=False, std=down_std, cfg=cfg, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg=cfg)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BxTxD, q_positions_BxT, keys_fn):
+        """`keys_fn(k, v) -> (keys, values, mask)` decides which keys the new queries see
+        (the same columns, or a cache), so full and decode paths share every other op."""
+        q, k, v = self.attn.qkv(self.attn_norm(x_BxTxD), q_positions_BxT)
+        keys, values, mask = keys_fn(k, v)
+        x = x_BxTxD + self.attn.o(attend(q, keys, values, mask))
+        return x + self.mlp(self.mlp_norm(x)), (k, v)
+
+
+class Transformer(nnx.Module):
+    """Holds only `nnx.Param`s, so `nnx.split(model)` gives (graphdef, params)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg=cfg)
+        # Optional learned table indexed by column: prompts end at a fixed column, so a
+        # position-keyed task (reversal) sees "=" at the same absolute index every time.
+        if cfg.learned_positions:
+            init = jax.random.normal(rngs.params(), (cfg.learned_positions, cfg.d_model)) / math.sqrt(cfg.d_model)
+            self.pos_embed = nnx.Param(init.astype(cfg.param_dtype), axes=(None, "embed"))
+        else:
+            self.pos_embed = None
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.d_model, vocab_size, ("embed", "vocab"), bias=False,
+                                  std=1 / math.sqrt(cfg.d_model), cfg=cfg, rngs=rngs)
+
+    def _embed(self, tokens, cols):
+        x = self.embed(tokens)
+        if self.pos_embed is None:
+            return x
+        return x + self.pos_embed[...][cols].astype(x.dtype)
+
+    def _logits(self, x):
+        x = self.final_norm(x)
+        if self.lm_head is None:
+            return self.embed.attend(x)
+        return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def _trunk(self, tokens_BxT, positions_BxT, valid_BxT):
+        t = tokens_BxT.shape[1]
+        causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+        mask_BxTxT = causal_TxT[None] & valid_BxT[:, None, :]
+        x = self._embed(tokens_BxT, jnp.arange(t)[None])
+        ks, vs = [], []
+        for layer in self.layers:
+            x, (k, v) = layer(x, positions_BxT, lambda k, v: (k, v, mask_BxTxT))
+            ks.append(k)
+            vs.append(v)
+        return x, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+
+    def __call__(self, tokens_BxT, positions_BxT, valid_BxT):
+        """Logits [B, T, V] fp32; query i sees key j iff j <= i and valid[j]."""
+        x, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT)
+        return self._logits(x)
+
+    def prefill(self, tokens_BxT, positions_BxT, valid_BxT):
+        """Same computation as `__call__`, plus the KV cache of all T columns."""
+        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT)
+        return self._logits(x), cache
+
+    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B):
+        """`prefill`, but logits only at one column per row (skips a [T, V] projection)."""
+        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT)
+        x_BxD = jnp.take_along_axis(x, cols_B[:, None, None], axis=1)[:, 0]
+        return self._logits(x_BxD), cache
+
+    def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache):
+        """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B].
+
+        Returns (logits [B, V] fp32, cache with this token's k/v written at cols_B)."""
+        b = tokens_B.shape[0]
+        t = cache["k"].shape[2]
+        rows = jnp.arange(b)
+        c = jnp.arange(t)
+        mask_Bx1xT = ((c[None] >= starts_B[:, None]) & (c[None] <= cols_B[:, None]))[:, None, :]
+        ck, cv = cache["k"], cache["v"]
+        x = self._embed(tokens_B[:, None], cols_B[:, None])
+        for i, layer in enumerate(self.layers):
+            def keys_fn(k, v, i=i):
+                nonlocal ck, cv
+                ck = ck.at[i, rows, cols_B].set(k[:, 0].astype(ck.dtype))
+                cv = cv.at[i, rows, cols_B].set(v[:, 0].astype(cv.dtype))
+                return ck[i].astype(k.dtype), cv[i].astype(v.dtype), mask_Bx1xT
+            x, _ = layer(x, positions_B[:, None], keys_fn)
+        return self._logits(x[:, 0]), {"k": ck, "v": cv}
+

@@ -1,0 +1,291 @@
+"""The pump: a background thread that keeps the engine busy and the ledger moving.
+
+Owns: drawing records from the Grain iterator into the ledger (one lock for both),
+choosing which samples go into free engine slots (continuations of saved half-finished
+samples first, then pending groups, then new draws, as the sampler's gate allows),
+recording every generated token with its behaviour logprob and policy version,
+rewarding finished samples, swapping in published weights, and pausing for a
+deterministic checkpoint cut. Does not own: which groups train when (sampler), the
+weights (learner publishes them), or saving (train/checkpoint).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .ledger import Group, Ledger, Sample, State
+
+
+@dataclass
+class PumpStats:
+    busy_s: float = 0.0  # time inside engine calls
+    idle_s: float = 0.0  # time with no slot in use and nothing allowed to start
+    tokens: int = 0  # tokens generated (kept in the ledger)
+    prefills: int = 0
+    swaps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Pump:
+    def __init__(self, *, ledger: Ledger, sampler, engine, iterator, tokenizer, reward_fn,
+                 max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print):
+        self.ledger, self.sampler, self.engine = ledger, sampler, engine
+        self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
+        self.N, self.partial, self.deterministic = max_new_tokens, partial, deterministic
+        self.log = log
+        self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
+        self.decode_state = engine.init_decode_state()
+        self.slots: list[tuple[Group, int] | None] = [None] * engine.max_concurrent_decodes
+        self.published: dict[int, object] = {version: params}
+        self.version = version  # weights the engine runs now
+        self.latest = version  # newest published
+        self.params = params
+        self.stats = PumpStats()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
+        self._prefixes: dict[int, object] = {}  # ordinal -> prefill result shared by its samples
+        self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
+
+    # ---- control (learner thread) --------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self.ledger.changed:
+            self.ledger.changed.notify_all()
+        self._thread.join(timeout=60)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def publish(self, version: int, params) -> None:
+        with self.ledger.changed:
+            self.published[version] = params
+            self.latest = max(self.latest, version)
+            if not self.deterministic:  # only the newest is ever used again
+                for v in [v for v in self.published if v < self.latest and v != self.version]:
+                    del self.published[v]
+            self.ledger.changed.notify_all()
+
+    def pause_for_cut(self, version: int, should_stop=lambda: False) -> None:
+        """Deterministic mode: before saving after `version` steps, finish all work that needs
+        older weights (a restored run has only `version`) and leave no half-finished sample."""
+        with self.ledger.changed:
+            self._cut_below = version
+            self.ledger.changed.notify_all()
+            while not self._cut_ready(version) and self.error is None and not should_stop():
+                self.ledger.changed.wait(0.05)
+
+    def resume(self) -> None:
+        with self.ledger.changed:
+            self._cut_below = None
+            self.ledger.changed.notify_all()
+
+    def _cut_ready(self, version: int) -> bool:
+        if any(self.slots):
+            return False
+        req = self.sampler.required_version
+        if any(req(g) < version and g.state != State.READY for g in self.ledger.groups.values()):
+            return False
+        return self.ledger.exhausted or self._required_for_next_draw() >= version
+
+    def iterator_state(self) -> dict:
+        return self.iterator.get_state()  # caller holds the ledger lock (the cut)
+
+    # ---- the loop (pump thread) ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._reward_backlog()
+            while not self._stop.is_set():
+                with self.ledger.changed:
+                    self._maybe_swap()
+                    picks = self._pick()
+                    if not picks and not any(self.slots):
+                        t0 = time.perf_counter()
+                        self.ledger.changed.wait(0.05)
+                        self.stats.idle_s += time.perf_counter() - t0
+                        continue
+                    params = self.params
+                t0 = time.perf_counter()
+                self._insert(picks, params)
+                self.decode_state, toks, lps = self.engine.generate(params, self.decode_state)
+                self.stats.busy_s += time.perf_counter() - t0
+                self._record(np.asarray(toks), np.asarray(lps))
+        except BaseException as e:  # surfaced to the learner, which stops the run
+            self.error = e
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
+
+    def _maybe_swap(self) -> None:
+        if self.deterministic:
+            if any(self.slots):
+                return
+            need = self._next_required_version()
+            if need is None or need == self.version or need not in self.published:
+                return
+            if self._cut_below is not None and need >= self._cut_below:
+                return
+            self._swap(need)
+            for v in [v for v in self.published if v < need]:
+                del self.published[v]
+        elif self.latest > self.version and (self.partial or not any(self.slots)):
+            self._swap(self.latest)
+
+    def _swap(self, version: int) -> None:
+        self.params, self.version = self.published[version], version
+        self.engine.update_params(self.params, version)
+        self.stats.swaps += 1
+
+    def _required_for_next_draw(self) -> int:
+        return self.sampler.required_version_for_stamp(self.sampler.stamp(self.ledger.next_ordinal))
+
+    def _next_required_version(self) -> int | None:
+        """Deterministic mode: the weights the next unstarted sample in stream order needs."""
+        for g in self.ledger.groups.values():
+            if any(not s.started and not s.done for s in g.samples):
+                return self.sampler.required_version(g)
+        if self.sampler.may_draw(self.latest):
+            return self._required_for_next_draw()
+        return None
+
+    def _startable(self, g: Group) -> bool:
+        if not self.sampler.eligible(g, self.latest):
+            return False
+        if not self.deterministic:
+            return True
+        req = self.sampler.required_version(g)
+        return req == self.version and (self._cut_below is None or req < self._cut_below)
+
+    def _may_draw(self) -> bool:
+        if not self.sampler.may_draw(self.latest):
+            return False
+        return not self.deterministic or self._cut_below is None or self._required_for_next_draw() < self._cut_below
+
+    def _pick(self) -> list[tuple[int, Group, int]]:
+        """(slot, group, sample) assignments for free slots; marks them in_engine (under the lock)."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if not free:
+            return []
+        if not self.partial and not self.deterministic and self.latest > self.version:
+            return []  # drain the slots first, then swap (publication waits for them)
+        picks: list[tuple[int, Group, int]] = []
+
+        def take(g: Group) -> None:
+            for si, s in enumerate(g.samples):
+                if len(picks) == len(free):
+                    return
+                if not s.started and not s.done:
+                    s.in_engine = True
+                    picks.append((free[len(picks)], g, si))
+
+        # continuations of saved half-finished samples first, then in stream order
+        groups = sorted(self.ledger.groups.values(), key=lambda g: (not any(s.tokens and not s.done
+                                                                            for s in g.samples), g.ordinal))
+        for g in groups:
+            if len(picks) == len(free):
+                break
+            if self._startable(g):
+                take(g)
+        while len(picks) < len(free) and self._may_draw():
+            g = self._draw()
+            if g is None:
+                break
+            if self._startable(g):
+                take(g)
+            else:
+                break
+        for slot, g, si in picks:
+            self.slots[slot] = (g, si)
+        return picks
+
+    def _draw(self) -> Group | None:
+        try:
+            rec = next(self.iterator)
+        except StopIteration:
+            self.ledger.mark_exhausted()
+            return None
+        return self.ledger.add(rec, self.sampler.stamp(self.ledger.next_ordinal))
+
+    def _insert(self, picks, params) -> None:
+        for slot, g, si in picks:
+            s = g.samples[si]
+            if s.tokens:  # continue a saved sample from its tokens: none is generated twice
+                prefix = self.engine.prefill(params, g.prompt_tokens, np.asarray(s.tokens, np.int32))
+                self.stats.prefills += 1
+            else:
+                prefix = self._prefixes.get(g.ordinal)
+                if prefix is None or prefix[0] != self.version:
+                    prefix = (self.version, self.engine.prefill(params, g.prompt_tokens))
+                    self._prefixes[g.ordinal] = prefix
+                    self.stats.prefills += 1
+                prefix = prefix[1]
+            self.decode_state = self.engine.insert(prefix, self.decode_state, slot, ordinal=g.ordinal, sample=si)
+        with self.ledger.lock:
+            for o in [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._prefixes)
+                      if g is None or all(s.started or s.done for s in g.samples)]:
+                del self._prefixes[o]
+
+    def _record(self, toks: np.ndarray, lps: np.ndarray) -> None:
+        finished: list[tuple[Group, Sample]] = []
+        stops = self._stops
+        with self.ledger.changed:
+            for slot, occ in enumerate(self.slots):
+                if occ is None:
+                    continue
+                g, si = occ
+                s = g.samples[si]
+                t = int(toks[slot])
+                s.tokens.append(t)
+                s.logprobs.append(float(lps[slot]))
+                s.versions.append(self.version)
+                self.stats.tokens += 1
+                if t in stops or len(s.tokens) >= self.N:
+                    s.done, s.in_engine = True, False
+                    self.slots[slot] = None
+                    finished.append((g, s))
+            self.ledger.changed.notify_all()
+        self._reward(finished)
+
+    def _reward(self, finished: list[tuple[Group, Sample]]) -> None:
+        """Rewards outside the lock (user reward code may be slow), then marks READY groups."""
+        scores = []
+        for g, s in finished:
+            text = self.tok.decode([t for t in s.tokens if t not in self._stops])
+            try:
+                r = float(self.reward_fn(text, g.answer))
+            except Exception as e:
+                raise RewardError(f"reward function failed on prompt_id={g.prompt_id} "
+                                  f"(ordinal {g.ordinal}): {type(e).__name__}: {e}") from e
+            if not np.isfinite(r):
+                raise RewardError(f"reward function returned {r} for prompt_id={g.prompt_id}")
+            scores.append(r)
+        with self.ledger.changed:
+            for (g, s), r in zip(finished, scores):
+                s.reward = r
+                if g.state == State.READY:
+                    self.sampler.on_ready(g, self.version)
+            self.ledger.changed.notify_all()
+
+    def _reward_backlog(self) -> None:
+        """Samples a killed run finished but did not reward yet (restored done, reward missing)."""
+        with self.ledger.lock:
+            todo = [(g, s) for g in self.ledger.groups.values() for s in g.samples if s.done and s.reward is None]
+        if todo:
+            self._reward(todo)
+
+    def idle_fraction(self) -> float:
+        wall = time.perf_counter() - self.stats.started
+        return self.stats.idle_s / wall if wall > 0 else 0.0
+
+
+class RewardError(RuntimeError):
+    pass

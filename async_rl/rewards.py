@@ -1,0 +1,215 @@
+"""Reward functions: (completion text, reference answer) -> float in [0, 1].
+
+Owns: the registry of named rewards, loading a user reward given as
+`module:function`, the default reward of each synthetic task, and the answer
+extraction and normalisation for math answers. Does not own: decoding tokens to text
+(`tokenizer`), group advantages (`learner`), or when rewards are computed (the pump).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import re
+from fractions import Fraction
+from typing import Callable, Optional
+
+from async_rl.config import ConfigError
+
+RewardFn = Callable[[str, str], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+_TASK_REWARDS = {"reverse": "reverse", "addition": "addition"}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def deco(fn: RewardFn) -> RewardFn:
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def _positional(out: str, target: str) -> float:
+    n = max(len(out), len(target))
+    if n == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(out, target)) / n
+
+
+@register_reward("reverse")
+def reverse_reward(completion: str, answer: str) -> float:
+    """Fraction of positions right, counted from the left; extra or missing characters cost."""
+    return _positional(completion.strip(), answer.strip())
+
+
+@register_reward("addition")
+def addition_reward(completion: str, answer: str) -> float:
+    """Like `reverse` but right-aligned, so the units digit is compared with the units digit."""
+    return _positional(completion.strip()[::-1], answer.strip()[::-1])
+
+
+@register_reward("exact_match")
+def exact_match_reward(completion: str, answer: str) -> float:
+    return float(" ".join(completion.split()) == " ".join(answer.split()))
+
+
+# --- math answers ---------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_FRAC = r"-?\\[dt]?frac\s*(?:\{[^{}]*\}|\d)\s*(?:\{[^{}]*\}|\d)"
+# A sign counts only where it cannot be a binary minus ("10-5" ends in 5, not -5).
+_SIGN = r"(?:(?<![\w)\]}])[-+])?"
+_NUMBER = _SIGN + r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|\.\d+)"
+_LAST_ANSWER = re.compile(f"{_FRAC}|{_NUMBER}")
+_FRAC_PARTS = re.compile(r"^(-?)\\frac\s*(\{[^{}]*\}|\d)\s*(\{[^{}]*\}|\d)$")
+_PLAIN_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?$")
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last \\boxed{...} (nested braces allowed); None if none is closed."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The final answer of a solution: the last \\boxed{} if any, else the last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    found = _LAST_ANSWER.findall(text.replace("\u2212", "-"))
+    return found[-1] if found else None
+
+
+def _normalise(s: str) -> str:
+    s = s.strip().replace("\u2212", "-")
+    s = re.sub(r"\\text\{\s*\\?%\s*\}", "%", s)
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+    for tok in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\$", "$", "\\%", "%", "{,}"):
+        s = s.replace(tok, "" if tok != "{,}" else ",")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\s+", " ", s).strip()
+    s = s.rstrip(".").strip()
+    # A comma between digit groups is a thousands separator, not a list.
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
+    if s.startswith("+"):
+        s = s[1:].strip()
+    return s
+
+
+def _braced(part: str) -> str:
+    return part[1:-1].strip() if part.startswith("{") else part
+
+
+def parse_number(s: str) -> Optional[Fraction]:
+    """An exact value for an integer, decimal, a/b or \\frac{a}{b} (after normalisation)."""
+    s = _normalise(s).replace(" ", "")
+    while s.startswith("(") and s.endswith(")") or s.startswith("{") and s.endswith("}"):
+        s = s[1:-1]
+    m = _FRAC_PARTS.match(s)
+    if m:
+        num, den = parse_number(_braced(m.group(2))), parse_number(_braced(m.group(3)))
+        if num is None or den is None or den == 0:
+            return None
+        return -num / den if m.group(1) else num / den
+    if s.count("/") == 1:
+        a, b = s.split("/")
+        num, den = parse_number(a), parse_number(b)
+        return None if num is None or den is None or den == 0 else num / den
+    if _PLAIN_NUMBER.match(s.lower()):
+        try:
+            return Fraction(s.lower())
+        except (ValueError, ZeroDivisionError):
+            return None
+    return None
+
+
+def _reference_answer(ref: str) -> str:
+    if "####" in ref:  # GSM8K-style solutions end with "#### <answer>"
+        return ref.rsplit("####", 1)[1]
+    boxed = last_boxed(ref)
+    return ref if boxed is None else boxed
+
+
+def math_equal(pred: str, ref: str) -> bool:
+    a, b = parse_number(pred), parse_number(ref)
+    if a is None and "=" in pred:  # "x = 5"
+        a = parse_number(pred.rsplit("=", 1)[1])
+    if a is not None and b is not None:
+        return a == b
+    return _normalise(pred).replace(" ", "") == _normalise(ref).replace(" ", "")
+
+
+@register_reward("math_answer")
+def math_answer_reward(completion: str, answer: str) -> float:
+    pred = extract_answer(completion)
+    if pred is None:
+        return 0.0
+    return float(math_equal(pred, _reference_answer(answer)))
+
+
+# --- lookup ----------------------------------------------------------------------------
+
+def _checked(name: str, fn: RewardFn) -> RewardFn:
+    @functools.wraps(fn)
+    def wrapper(completion: str, answer: str) -> float:
+        r = fn(completion, answer)
+        try:
+            r = float(r)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward {name!r} returned {r!r}, expected a float in [0, 1]") from None
+        # Clamping would hide a broken reward; stop instead.
+        if not (math.isfinite(r) and 0.0 <= r <= 1.0):
+            raise ValueError(f"reward {name!r} returned {r!r}, expected a float in [0, 1]")
+        return r
+    return wrapper
+
+
+def get_reward(name: str) -> RewardFn:
+    """A registered reward by name, or `module:function` imported from the Python path."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" not in name:
+        raise ConfigError(f"rollout.reward={name!r}: unknown reward (registered: "
+                          f"{', '.join(registered())}; or give module:function)")
+    mod_name, _, fn_name = name.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"rollout.reward={name!r}: cannot import module {mod_name!r} ({e})") from None
+    fn = mod
+    for part in fn_name.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"rollout.reward={name!r}: module {mod_name!r} has no attribute {fn_name!r}")
+    if not callable(fn):
+        raise ConfigError(f"rollout.reward={name!r}: {fn_name!r} in {mod_name!r} is not callable")
+    return _checked(name, fn)
+
+
+def task_reward(task: str) -> str:
+    """The default reward name of a synthetic task."""
+    if task not in _TASK_REWARDS:
+        raise ConfigError(f"data.task={task!r}: no default reward (tasks: {', '.join(_TASK_REWARDS)})")
+    return _TASK_REWARDS[task]
+
+
+def reward_for_config(cfg) -> tuple[str, RewardFn]:
+    """(name, function) for `rollout.reward`, defaulting to the synthetic task's reward."""
+    name = cfg.rollout.reward
+    if not name:
+        if cfg.data.source != "synthetic":
+            raise ConfigError(f"rollout.reward is required for data.source={cfg.data.source} "
+                              f"(e.g. math_answer, exact_match, or module:function)")
+        name = task_reward(cfg.data.task)
+    return name, get_reward(name)

@@ -1,0 +1,318 @@
+"""`train(cfg)`: wires data, ledger, pump, learner and checkpoints into one run.
+
+Owns: the run directory's layout, the resume decision, the step loop (take a step's
+groups, dispatch the step, commit the groups to the lineage log, publish weights,
+fetch the previous step's metrics), the consistent cut for each checkpoint, signal
+handling (SIGTERM: save at the next step boundary and exit 0; a second signal exits at
+once), and the end-of-run report. Does not own: any of the parts it wires.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from . import config as C
+from . import data as data_mod
+from . import rewards, sharding
+from .checkpoint import Checkpointer, check_data_stream
+from .config import Config, ConfigError
+from .engine import Engine
+from .ledger import Ledger
+from .learner import Learner, build_batch, params_fingerprint
+from .metrics import JsonlLog, MetricsSink, plot_rewards
+from .pump import Pump
+from .sampler import Stopped, make_sampler
+from .tokenizer import build_tokenizer
+
+
+@dataclass
+class RunResult:
+    step: int  # learner steps in the model's history
+    exit_code: int  # 0 finished or stopped cleanly; 130 interrupted (saved)
+    reason: str  # max_steps | data_exhausted | signal
+    fingerprint: str
+    reward_first: float | None = None
+    reward_last: float | None = None
+    history: list = field(default_factory=list)
+
+
+class _Signals:
+    """First SIGTERM/SIGINT: stop at the next step boundary after a save. Second: exit now."""
+
+    def __init__(self, log):
+        self.received: str | None = None
+        self.log = log
+        self._old = {}
+
+    def install(self) -> None:
+        if threading_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            self.log(f"{name} again: exiting now; the last committed checkpoint is intact")
+            os._exit(128 + signum)
+        self.received = name
+        self.log(f"{name}: saving at the next step boundary, then exiting")
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def threading_main() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def setup_compilation_cache(path: str) -> None:
+    if not path:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _lineage_rows(step: int, groups) -> list[dict]:
+    rows = []
+    for g in groups:
+        vs = sorted({v for s in g.samples for v in s.versions})
+        rows.append({"step": step, "prompt_id": g.prompt_id, "epoch": g.epoch, "ordinal": g.ordinal,
+                     "versions": vs})
+    return rows
+
+
+def _staleness(batch, step: int) -> tuple[float, int]:
+    v = batch.versions_BxN[batch.mask_BxN]
+    if v.size == 0:
+        return 0.0, 0
+    lag = (step - 1) - v
+    return float(lag.mean()), int(lag.max())
+
+
+def train(cfg: Config, log=None) -> RunResult:
+    """Runs (or resumes) the job described by `cfg`; returns when it ends or is stopped."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_compilation_cache(cfg.run.compilation_cache)
+    devices = sharding.make_devices(cfg.mesh)
+    B = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    shards = sharding.batch_shards(devices.learner)
+    if B % shards:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: prompts_per_step x "
+                          f"samples_per_prompt ({B}) must divide evenly over the {shards} data-parallel shards")
+    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic")
+    pd = data_mod.build_dataset(cfg, tok, process_index=jax.process_index(), process_count=jax.process_count())
+    for line, reason in pd.bad_records[:20]:
+        log(f"data: skipped bad record at {line}: {reason}")
+    if pd.bad_records:
+        log(f"data: skipped {len(pd.bad_records)} bad records (data.on_bad_record=skip)")
+    _, reward_fn = rewards.reward_for_config(cfg)
+    vocab = cfg.model.vocab_size or tok.vocab_size
+    if vocab < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
+
+    learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared)
+    engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
+                    max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
+                    seed=cfg.run.seed, devices=devices.engine)
+
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
+    steps = ckpt.steps()
+    if cfg.run.resume == "never" and steps:
+        raise ConfigError(f"run.resume=never: {run_dir} already holds checkpoints {steps}; "
+                          "use a new run.dir (nothing was changed)")
+    if cfg.run.resume == "must" and not steps:
+        raise ConfigError(f"run.resume=must: no checkpoint in {run_dir / 'checkpoints'}")
+    restored = ckpt.restore_latest(learner.abstract_state(), warn=lambda m: log(f"warning: {m}")) \
+        if steps and cfg.run.resume != "never" else None
+    if restored is not None:
+        check_data_stream(restored.meta, C.data_stream(cfg), str(run_dir))
+
+    (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
+    (run_dir / "data.json").write_text(json.dumps({
+        "prompt_ids": [int(i) for i in pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
+        "records_per_epoch": int(pd.records_per_epoch), "bad_records": len(pd.bad_records)}))
+    final_path = run_dir / "final.json"
+    final_path.unlink(missing_ok=True)
+    lineage = JsonlLog(run_dir / "lineage.jsonl")
+    iterator = data_mod.make_iterator(pd)
+    if restored is not None:
+        cut = lineage.truncate(int(restored.meta["lineage_bytes"]))
+        iterator.set_state(restored.iterator_state)
+        ledger = Ledger.from_snapshot(restored.ledger)
+        state, step = restored.state, restored.step
+        summ = restored.ledger.summary()
+        ready_steps = sorted({g.target_step for g in ledger.groups.values()
+                              if g.state.name == "READY" and g.target_step is not None})
+        log(f"resumed step {step}: {summ['ready']} ready groups"
+            + (f" (step {', '.join(map(str, ready_steps))})" if ready_steps else "")
+            + f", {summ['generating']} generating ({summ['kept_tokens']} tokens kept), {summ['pending']} pending; "
+            f"iterator at ordinal {ledger.next_ordinal}" + (" (exhausted)" if ledger.exhausted else "")
+            + (f"; cut {cut} bytes of lineage written after it" if cut else ""))
+    else:
+        lineage.truncate(0)
+        ledger = Ledger(cfg.rollout.samples_per_prompt)
+        state, step = learner.init_state(learner.init_params()), 0
+    ref_params = learner.init_params() if learner.use_ref else None
+
+    sink = MetricsSink(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress and sys.stderr.isatty(),
+                       every=cfg.log.every_steps, total_steps=_total_steps(cfg, pd), start_step=step, console=log)
+    if restored is not None:
+        sink.jsonl.truncate(int(restored.meta.get("metrics_bytes", 0)))
+    else:
+        sink.jsonl.truncate(0)
+
+    sampler = make_sampler(cfg, ledger)
+    params_e = engine.load_params(learner.publishable(state["params"]))
+    engine.update_params(params_e, step)
+    pump = Pump(ledger=ledger, sampler=sampler, engine=engine, iterator=iterator, tokenizer=tok,
+                reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens, params=params_e, version=step,
+                partial=cfg.rollout.partial, deterministic=cfg.run.determinism, log=log)
+    signals = _Signals(log)
+    signals.install()
+    history: list[dict] = []
+    t_start = time.perf_counter()
+    wait_s, tokens0, t_prev, last_saved = 0.0, 0, t_start, (restored.step if restored else -1)
+    pending = None  # (step, device metrics, host metrics) of the step before the one in flight
+    reason = "max_steps"
+
+    def flush_metrics():
+        nonlocal pending
+        if pending is None:
+            return
+        s, dev, host = pending
+        row = {k: float(v) for k, v in jax.device_get(dev).items()}
+        row.update(host)
+        history.append({"step": s, **row})
+        sink.write(s, row)
+        pending = None
+
+    def save(s: int):
+        nonlocal last_saved
+        flush_metrics()
+        if cfg.run.determinism:
+            pump.pause_for_cut(s, should_stop=lambda: pump.error is not None)
+        with ledger.lock:  # I2: iterator state and ledger at one instant
+            it_state = pump.iterator_state()
+            snap = ledger.snapshot()
+        if pump.error is not None:
+            raise pump.error
+        meta = {"step": s, "version": s, "lineage_bytes": lineage.tell(), "metrics_bytes": sink.jsonl.tell(),
+                "data_stream": C.data_stream(cfg), "config": C.to_dict(cfg), "next_ordinal": snap.header["next_ordinal"],
+                "exhausted": snap.header["exhausted"], "seed": cfg.run.seed, "time": time.time()}
+        ckpt.save(s, state, it_state, snap, meta)
+        if cfg.run.determinism:
+            pump.resume()
+        last_saved = s
+        return ckpt.last_blocking_s
+
+    should_stop = lambda: signals.received is not None or pump.error is not None
+    pump.start()
+    try:
+        while cfg.train.max_steps == 0 or step < cfg.train.max_steps:
+            if should_stop():
+                break
+            t0 = time.perf_counter()
+            try:
+                groups = sampler.next_batch(step + 1, should_stop=should_stop)
+            except Stopped:
+                break
+            wait_s += time.perf_counter() - t0
+            if groups is None:
+                reason = "data_exhausted"
+                break
+            batch = build_batch(groups, groups_per_step=cfg.rollout.prompts_per_step, samples=cfg.rollout.samples_per_prompt,
+                                prompt_len=cfg.engine.max_prompt_len, max_new=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
+            state, dev_metrics = learner.step(state, batch, ref_params)
+            step += 1
+            with ledger.lock:
+                ledger.commit(groups)
+                lineage.append(_lineage_rows(step, groups))
+            pump.publish(step, engine.load_params(learner.publishable(state["params"])))
+            flush_metrics()
+            now = time.perf_counter()
+            st_mean, st_max = _staleness(batch, step)
+            counts = ledger.counts()
+            host = {"perf/step_time_s": now - t_prev, "perf/tokens_per_s": (pump.stats.tokens - tokens0) / max(now - t_prev, 1e-9),
+                    "perf/learner_idle_frac": wait_s / (now - t_start), "perf/pump_idle_frac": pump.idle_fraction(),
+                    "rollout/staleness_mean": st_mean, "rollout/staleness_max": st_max,
+                    "data/groups": len(groups), "data/drawn": ledger.next_ordinal,
+                    "data/ledger_ready": counts["ready"], "data/ledger_generating": counts["generating"],
+                    "data/ledger_pending": counts["pending"], "data/epoch": max(g.epoch for g in groups)}
+            tokens0, t_prev = pump.stats.tokens, now
+            pending = (step, dev_metrics, host)
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                host["ckpt/save_blocking_s"] = save(step)
+        else:
+            reason = "max_steps"
+        if reason != "data_exhausted" and sampler.finished(step):
+            reason = "data_exhausted"
+        if pump.error is not None:
+            raise pump.error
+        if signals.received:
+            reason = "signal"
+        flush_metrics()
+        if last_saved != step:
+            save(step)
+        ckpt.wait()
+    finally:
+        pump.stop()
+        signals.restore()
+        sink.close()
+        ckpt.close()
+        lineage.close()
+
+    fp = params_fingerprint(state["params"])
+    rewards_seen = [h["rollout/reward_mean"] for h in history if "rollout/reward_mean" in h]
+    with ledger.lock:
+        open_epochs = sorted({g.epoch for g in ledger.groups.values()})
+        next_epoch = ledger.next_ordinal // max(pd.records_per_epoch, 1)
+        complete = [e for e in range(cfg.data.num_epochs)
+                    if e not in open_epochs and (ledger.exhausted or e < next_epoch)]
+    final = {"step": step, "fingerprint": fp, "reason": reason, "exhausted": ledger.exhausted,
+             "complete_epochs": complete}
+    final_path.write_text(json.dumps(final))
+    log(f"params fingerprint: {fp}")
+    if cfg.log.plot and plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png"):
+        log(f"reward curve: {run_dir / 'reward.png'}")
+    res = RunResult(step=step, exit_code=130 if signals.received == "SIGINT" else 0, reason=reason, fingerprint=fp,
+                    reward_first=rewards_seen[0] if rewards_seen else None,
+                    reward_last=float(np.mean(rewards_seen[-5:])) if rewards_seen else None, history=history)
+    _report(cfg, res, history, time.perf_counter() - t_start, log)
+    return res
+
+
+def _total_steps(cfg: Config, pd) -> int:
+    per_epoch = pd.records_per_epoch * jax.process_count()
+    data_steps = math.ceil(per_epoch * cfg.data.num_epochs / cfg.rollout.prompts_per_step)
+    return min(cfg.train.max_steps, data_steps) if cfg.train.max_steps else data_steps
+
+
+def _report(cfg: Config, res: RunResult, history: list[dict], wall: float, log) -> None:
+    if not history:
+        log(f"stopped at step {res.step} ({res.reason}); no step trained in this process")
+        return
+    target = cfg.train.reward_target
+    hit = next((h for h in history if h.get("rollout/reward_mean", 0) >= target), None)
+    msg = (f"done: step {res.step} ({res.reason}) in {wall:.0f}s; mean reward {res.reward_first:.3f} -> "
+           f"{res.reward_last:.3f} (last 5 steps)")
+    if hit is not None:
+        msg += f"; reached {target} at step {hit['step']}"
+    else:
+        msg += f"; did not reach {target}"
+    log(msg)

@@ -1,0 +1,145 @@
+"""Tokenizers: byte round trips, prompt encoding, HF tokenizer.json loading and chat forms."""
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from async_rl.config import ConfigError, TokenizerConfig
+from async_rl.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+
+CORPUS = ["12345=54321", "what is 2+2? the answer is 4", "hello world", "héllo wörld ünïcode"] * 20
+
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+          "<|eot_id|>"]
+
+
+def make_hf_dir(tmp_path, specials, files=None):
+    """A tiny byte-level BPE trained on CORPUS, saved as tmp_path/tokenizer.json plus `files`."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    for name, doc in (files or {}).items():
+        (tmp_path / name).write_text(json.dumps(doc))
+    return tmp_path
+
+
+# --- byte tokenizer ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["", "12345=", "héllo wörld", "emoji \U0001F600", "a\nb\tc"])
+def test_byte_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_byte_specials_and_prompt():
+    tok = ByteTokenizer("Q: {prompt} A:")
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258, 259)
+    ids = tok.encode_prompt("12=")
+    assert ids.dtype == np.int32
+    assert ids[0] == tok.bos_id
+    assert tok.decode(ids) == "Q: 12= A:"
+    # specials and ids past the vocabulary carry no text; broken UTF-8 is replaced
+    assert tok.decode([257, 104, 105, 258, 256, 999]) == "hi"
+    assert tok.decode([0xC3]) == "\ufffd"
+
+
+def test_template_with_braces_is_literal():
+    tok = ByteTokenizer('{"q": "{prompt}"}')
+    assert tok.decode(tok.encode_prompt("{x}")) == '{"q": "{x}"}'
+
+
+def test_build_tokenizer_defaults_and_errors(tmp_path):
+    assert isinstance(build_tokenizer(TokenizerConfig()), ByteTokenizer)
+    with pytest.raises(ConfigError, match="tokenizer.chat"):
+        build_tokenizer(TokenizerConfig(chat=True))
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        build_tokenizer(TokenizerConfig(path=str(tmp_path)))
+
+
+# --- HF tokenizer -----------------------------------------------------------------------
+
+def test_hf_round_trip_and_specials(tmp_path):
+    d = make_hf_dir(tmp_path, CHATML, {
+        "tokenizer_config.json": {"eos_token": {"content": "<|endoftext|>", "special": True},
+                                  "pad_token": "<|endoftext|>", "bos_token": None}})
+    tok = build_tokenizer(TokenizerConfig(path=str(d)))
+    assert isinstance(tok, HFTokenizer)
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert tok.eos_id == raw.token_to_id("<|endoftext|>") == tok.pad_id
+    assert tok.bos_id is None
+    assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True)
+    for text in ["hello world", "12345=54321", "héllo ünïcode"]:
+        assert tok.decode(tok.encode(text)) == text
+    ids = tok.encode_prompt("hello")
+    assert ids.dtype == np.int32 and tok.decode(ids) == "hello"
+    assert tok.decode(list(ids) + [tok.eos_id, tok.vocab_size + 5]) == "hello"
+
+
+def test_hf_eos_from_generation_config_and_pad_fallback(tmp_path):
+    d = make_hf_dir(tmp_path, LLAMA3, {"generation_config.json": {"eos_token_id": [1, 4], "bos_token_id": 0}})
+    tok = HFTokenizer(str(d))
+    assert tok.eos_id == 1 and tok.pad_id == 1 and tok.bos_id == 0
+    assert tok.stop_ids == (1, 4)
+    ids = tok.encode_prompt("hello")
+    assert ids[0] == 0 and tok.decode(ids) == "hello"
+
+
+def test_hf_special_tokens_map_and_add_bos_false(tmp_path):
+    d = make_hf_dir(tmp_path, LLAMA3, {
+        "special_tokens_map.json": {"eos_token": "<|end_of_text|>", "bos_token": "<|begin_of_text|>"},
+        "tokenizer_config.json": {"add_bos_token": False}})
+    tok = HFTokenizer(str(d))
+    assert tok.eos_id == 1 and tok.bos_id == 0
+    assert tok.encode_prompt("hello")[0] != 0
+
+
+def test_hf_missing_eos_names_files(tmp_path):
+    d = make_hf_dir(tmp_path, CHATML, {"tokenizer_config.json": {"pad_token": "<|endoftext|>"}})
+    with pytest.raises(ConfigError, match="EOS.*tokenizer_config.json.*generation_config.json"):
+        HFTokenizer(str(d))
+
+
+def test_hf_unknown_special_token_names_file(tmp_path):
+    d = make_hf_dir(tmp_path, CHATML, {"special_tokens_map.json": {"eos_token": "</s>"}})
+    with pytest.raises(ConfigError, match="special_tokens_map.json.*'</s>'"):
+        HFTokenizer(str(d))
+
+
+def test_hf_chatml(tmp_path):
+    d = make_hf_dir(tmp_path, CHATML, {"tokenizer_config.json": {"eos_token": "<|endoftext|>"}})
+    tok = HFTokenizer(str(d), template="Q: {prompt}", chat=True)
+    ids = tok.encode_prompt("2+2?")
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    start, end = raw.token_to_id("<|im_start|>"), raw.token_to_id("<|im_end|>")
+    assert list(ids).count(start) == 2 and list(ids).count(end) == 1
+    assert ids[0] == start
+    rendered = raw.decode(list(ids), skip_special_tokens=False)
+    assert rendered == "<|im_start|>user\nQ: 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert end in tok.stop_ids and tok.eos_id in tok.stop_ids
+
+
+def test_hf_llama3_chat(tmp_path):
+    d = make_hf_dir(tmp_path, LLAMA3, {"tokenizer_config.json": {
+        "eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"}})
+    tok = HFTokenizer(str(d), chat=True)
+    ids = tok.encode_prompt("hi")
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert raw.decode(list(ids), skip_special_tokens=False) == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert tok.decode(ids).count("hi") == 1
+
+
+def test_hf_chat_without_template_tokens(tmp_path):
+    d = make_hf_dir(tmp_path, ["<eos>"], {"tokenizer_config.json": {"eos_token": "<eos>"}})
+    with pytest.raises(ConfigError, match="ChatML"):
+        HFTokenizer(str(d), chat=True)
