@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from . import faults
 from .config import ConfigError, DATA_STREAM_FIELDS
 from .ledger import LedgerSnapshot
 
@@ -42,8 +43,10 @@ class LedgerHandler(ocp.CheckpointHandler):
         directory.mkdir(parents=True, exist_ok=True)
         pre, snap = _process_prefix(), args.snapshot
         header = dict(snap.header, arrays=sorted(snap.arrays))
-        for name, arr in snap.arrays.items():
+        for i, (name, arr) in enumerate(snap.arrays.items()):
             np.save(directory / f"{pre}.{name}.npy", arr, allow_pickle=False)
+            if i == 1:
+                faults.point("ckpt_write", args.step)
         (directory / f"{pre}.json").write_text(json.dumps(header))
 
     def restore(self, directory: epath.Path, args: "LedgerRestore" = None) -> LedgerSnapshot:
@@ -66,6 +69,7 @@ class LedgerHandler(ocp.CheckpointHandler):
 @dataclasses.dataclass
 class LedgerSave(ocp.args.CheckpointArgs):
     snapshot: LedgerSnapshot
+    step: int = -1
 
 
 @ocp.args.register_with_handler(LedgerHandler, for_restore=True)
@@ -117,9 +121,10 @@ class Checkpointer:
         self.mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(IteratorState(iterator_state)),
-            ledger=LedgerSave(ledger),
+            ledger=LedgerSave(ledger, step),
             meta=ocp.args.JsonSave(meta)), force=True)
         self.last_blocking_s = time.perf_counter() - t0
+        faults.point("ckpt_saved", step)
 
     def wait(self) -> None:
         self.mngr.wait_until_finished()

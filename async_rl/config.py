@@ -102,6 +102,11 @@ class ModelConfig:
     head_dim: int = 0  # per-head width; 0 = d_model // n_heads
     d_ff: int = 256  # SwiGLU hidden width, units
     rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: str = "none"  # RoPE frequency scaling (HF rope_scaling type): none | linear | llama3
+    rope_factor: float = 1.0  # linear/llama3: how many times slower the scaled frequencies turn
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/this are fully scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/this are kept
+    rope_original_max_positions: int = 8192  # llama3: context length before scaling, tokens
     norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_embeddings: bool = True  # output projection shares the embedding matrix
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2-style)
@@ -121,6 +126,13 @@ class ModelConfig:
         _check(self.head_dim >= 0 and self.resolved_head_dim % 2 == 0, "model.head_dim",
                self.head_dim, "must be even (RoPE rotates pairs)")
         _check(self.learned_positions >= 0, "model.learned_positions", self.learned_positions, "must be >= 0")
+        _one_of("model.rope_scaling", self.rope_scaling, ("none", "linear", "llama3"))
+        _check(self.rope_factor > 0, "model.rope_factor", self.rope_factor, "must be > 0")
+        if self.rope_scaling == "llama3":
+            _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor, "model.rope_high_freq_factor",
+                   self.rope_high_freq_factor, f"must be > model.rope_low_freq_factor ({self.rope_low_freq_factor}) > 0")
+            _check(self.rope_original_max_positions > 0, "model.rope_original_max_positions",
+                   self.rope_original_max_positions, "must be > 0")
         for k in ("dtype", "param_dtype"):
             _one_of(f"model.{k}", getattr(self, k), ("float32", "bfloat16", "float16"))
 
@@ -251,6 +263,7 @@ class LogConfig:
     tensorboard: bool = True  # TensorBoard event files in run.dir/tb
     plot: bool = True  # reward.png learning curve at the end
     every_steps: int = 1  # console/TensorBoard cadence, steps (metrics.jsonl gets every step)
+    rollouts: bool = False  # rollouts.jsonl: every trained sample's tokens, versions and reward
 
     def __post_init__(self):
         _check(self.every_steps > 0, "log.every_steps", self.every_steps, "must be > 0")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import faults
 from .ledger import Group, Ledger, Sample, State
 
 
@@ -118,6 +119,7 @@ class Pump:
                 t0 = time.perf_counter()
                 self._insert(picks, params)
                 self.decode_state, toks, lps = self.engine.generate(params, self.decode_state)
+                faults.delay("generate")
                 self.stats.busy_s += time.perf_counter() - t0
                 self._record(np.asarray(toks), np.asarray(lps))
         except BaseException as e:  # surfaced to the learner, which stops the run
@@ -151,7 +153,7 @@ class Pump:
     def _next_required_version(self) -> int | None:
         """Deterministic mode: the weights the next unstarted sample in stream order needs."""
         for g in self.ledger.groups.values():
-            if any(not s.started and not s.done for s in g.samples):
+            if any(not s.in_engine and not s.done for s in g.samples):
                 return self.sampler.required_version(g)
         if self.sampler.may_draw(self.latest):
             return self._required_for_next_draw()
@@ -183,7 +185,7 @@ class Pump:
             for si, s in enumerate(g.samples):
                 if len(picks) == len(free):
                     return
-                if not s.started and not s.done:
+                if not s.in_engine and not s.done:
                     s.in_engine = True
                     picks.append((free[len(picks)], g, si))
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import config as C
 from . import data as data_mod
-from . import rewards, sharding
+from . import faults, rewards, sharding
 from .checkpoint import Checkpointer, check_data_stream
 from .config import Config, ConfigError
 from .engine import Engine
@@ -94,6 +94,12 @@ def _lineage_rows(step: int, groups) -> list[dict]:
     return rows
 
 
+def _rollout_rows(step: int, groups, tok) -> list[dict]:
+    return [{"step": step, "prompt_id": g.prompt_id, "ordinal": g.ordinal, "prompt": g.prompt, "answer": g.answer,
+             "samples": [{"tokens": s.tokens, "versions": s.versions, "reward": s.reward, "text": tok.decode(s.tokens)}
+                         for s in g.samples]} for g in groups]
+
+
 def _staleness(batch, step: int) -> tuple[float, int]:
     v = batch.versions_BxN[batch.mask_BxN]
     if v.size == 0:
@@ -150,9 +156,16 @@ def train(cfg: Config, log=None) -> RunResult:
     final_path = run_dir / "final.json"
     final_path.unlink(missing_ok=True)
     lineage = JsonlLog(run_dir / "lineage.jsonl")
+    rollouts = JsonlLog(run_dir / "rollouts.jsonl") if cfg.log.rollouts else None
     iterator = data_mod.make_iterator(pd)
     if restored is not None:
-        cut = lineage.truncate(int(restored.meta["lineage_bytes"]))
+        want = int(restored.meta["lineage_bytes"])
+        if lineage.tell() < want:
+            log(f"warning: {lineage.path} has {lineage.tell()} bytes but checkpoint step {restored.step} "
+                f"recorded {want}; lines of trained groups are missing from the log")
+        cut = lineage.truncate(want)
+        if rollouts is not None:
+            rollouts.truncate(int(restored.meta.get("rollouts_bytes", 0)))
         iterator.set_state(restored.iterator_state)
         ledger = Ledger.from_snapshot(restored.ledger)
         state, step = restored.state, restored.step
@@ -166,6 +179,8 @@ def train(cfg: Config, log=None) -> RunResult:
             + (f"; cut {cut} bytes of lineage written after it" if cut else ""))
     else:
         lineage.truncate(0)
+        if rollouts is not None:
+            rollouts.truncate(0)
         ledger = Ledger(cfg.rollout.samples_per_prompt)
         state, step = learner.init_state(learner.init_params()), 0
     ref_params = learner.init_params() if learner.use_ref else None
@@ -213,6 +228,7 @@ def train(cfg: Config, log=None) -> RunResult:
         if pump.error is not None:
             raise pump.error
         meta = {"step": s, "version": s, "lineage_bytes": lineage.tell(), "metrics_bytes": sink.jsonl.tell(),
+                "rollouts_bytes": rollouts.tell() if rollouts is not None else 0,
                 "data_stream": C.data_stream(cfg), "config": C.to_dict(cfg), "next_ordinal": snap.header["next_ordinal"],
                 "exhausted": snap.header["exhausted"], "seed": cfg.run.seed, "time": time.time()}
         ckpt.save(s, state, it_state, snap, meta)
@@ -243,6 +259,10 @@ def train(cfg: Config, log=None) -> RunResult:
             with ledger.lock:
                 ledger.commit(groups)
                 lineage.append(_lineage_rows(step, groups))
+                if rollouts is not None:
+                    rollouts.append(_rollout_rows(step, groups, tok))
+            faults.point("step", step)
+            faults.delay("step")
             pump.publish(step, engine.load_params(learner.publishable(state["params"])))
             flush_metrics()
             now = time.perf_counter()
@@ -276,6 +296,8 @@ def train(cfg: Config, log=None) -> RunResult:
         sink.close()
         ckpt.close()
         lineage.close()
+        if rollouts is not None:
+            rollouts.close()
 
     fp = params_fingerprint(state["params"])
     rewards_seen = [h["rollout/reward_mean"] for h in history if "rollout/reward_mean" in h]

@@ -1,7 +1,18 @@
 """Test setup: 4 forced CPU devices (sharding tests need several; 8 on 2 cores can hang
-XLA rendezvous), CPU platform, and quiet libraries."""
+XLA rendezvous), CPU platform, quiet libraries, and one XLA compilation cache shared by
+the training subprocesses of a session (restarts then pay restore, not recompilation)."""
 import os
+import sys
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def xla_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("xla_cache")

@@ -27,3 +27,71 @@ def steps_of(run_dir: Path) -> dict[int, list[int]]:
     for r in lineage(run_dir):
         out.setdefault(r["step"], []).append((r["ordinal"], r["prompt_id"]))
     return {s: [p for _, p in sorted(v)] for s, v in sorted(out.items())}
+
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+CLI = [sys.executable, "-m", "async_rl", "train", "--config", "configs/tiny.yaml"]
+
+
+def cli_args(run_dir: Path, *overrides: str, cache: Path | None = None) -> list[str]:
+    extra = [f"run.compilation_cache={cache}"] if cache else []
+    return [*CLI, f"run.dir={run_dir}", *FAST, *extra, *overrides]
+
+
+def run_cli(run_dir: Path, *overrides: str, cache: Path | None = None, kill_at: str = "", delay: str = "",
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, PYTHONUNBUFFERED="1")
+    return subprocess.run(cli_args(run_dir, *overrides, cache=cache), capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def spawn(run_dir: Path, *overrides: str, cache: Path | None = None, kill_at: str = "",
+          delay: str = "") -> subprocess.Popen:
+    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cli_args(run_dir, *overrides, cache=cache), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Polls lineage.jsonl until a line of `step` (or later) appears, or the process ends."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        rows = lineage(run_dir)
+        if rows and rows[-1]["step"] >= step:
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached in {timeout}s")
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    d = Path(run_dir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def read_ledger(run_dir: Path, step: int):
+    """The ledger saved in checkpoint `step`, read straight from its files."""
+    import numpy as np
+
+    from async_rl.ledger import Ledger, LedgerSnapshot
+    d = Path(run_dir) / "checkpoints" / str(step) / "ledger"
+    header = json.loads((d / "process_0-of-1.json").read_text())
+    arrays = {n: np.load(d / f"process_0-of-1.{n}.npy") for n in header.pop("arrays")}
+    return Ledger.from_snapshot(LedgerSnapshot(header=header, arrays=arrays))
+
+
+def rollouts(run_dir: Path) -> list[dict]:
+    p = Path(run_dir) / "rollouts.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
