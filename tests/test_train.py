@@ -59,3 +59,13 @@ def test_short_run_improves_reward(tmp_path):
     first, last = np.mean(r[:5]), np.mean(r[-5:])
     assert last > first + 0.2, (first, last)
     assert (tmp_path / "reward.png").stat().st_size > 1000
+
+
+def test_disjoint_engine_devices_and_kl(tmp_path):
+    # 4 devices: 1 for the engine, 3 for the learner (data=3); a KL penalty to the initial policy
+    res = train(cfg(tmp_path, "data.num_records=12", "rollout.prompts_per_step=3", "mesh.engine_devices=1",
+                    "learner.kl_coef=0.05", "sampler.max_lookahead=1"))
+    assert res.step == 4
+    assert all("learner/kl" in h and h["learner/kl"] >= -1e-6 for h in res.history)  # k3 >= 0 up to rounding
+    assert res.history[0]["learner/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains the initial policy
+    assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(12))

@@ -1,0 +1,100 @@
+"""Crash tests: a real training subprocess is SIGKILLed at chosen and random moments
+(also inside a checkpoint save and right after one), restarted each time, and run to the
+end; the audit must pass, and in deterministic mode the parameters must be bit-identical
+to an uninterrupted run (DESIGN.md I1, I5, I6)."""
+import json
+import random
+import signal
+import time
+
+import pytest
+
+from async_rl.audit import audit
+from helpers import checkpoint_steps, kill9, lineage, run_cli, spawn, wait_for_step
+
+BASE = ["data.num_records=32", "rollout.prompts_per_step=2", "data.num_epochs=1",
+        "checkpoint.every_steps=1", "checkpoint.keep=2"]
+
+
+def _schedule(seed: int) -> list[tuple]:
+    """At least 8 kills: inside saves, right after saves, after a step's log line, at random."""
+    rng = random.Random(seed)
+    return [("at", "ckpt_write:2"), ("random", 3, rng.uniform(0, 0.4)), ("at", "ckpt_saved:4"),
+            ("at", "step:5"), ("random", 6, rng.uniform(0, 0.4)), ("startup", rng.uniform(0.5, 2.5)),
+            ("at", "ckpt_write:8"), ("random", 9, rng.uniform(0, 0.4)), ("at", "ckpt_saved:10"),
+            ("random", 11, rng.uniform(0, 0.4))]
+
+
+def crash_and_finish(run_dir, overrides, cache, seed=0) -> dict:
+    kills = 0
+    for kind, *args in _schedule(seed):
+        if kind == "at":
+            r = run_cli(run_dir, *overrides, cache=cache, kill_at=args[0])
+            assert r.returncode == -signal.SIGKILL, (args, r.returncode, r.stderr[-2000:])
+        else:
+            p = spawn(run_dir, *overrides, cache=cache)
+            if kind == "random":
+                if not wait_for_step(run_dir, args[0], p):
+                    pytest.fail(f"process ended before step {args[0]}: {p.stderr.read()[-2000:]}")
+                time.sleep(args[1])
+            else:
+                time.sleep(args[0])
+            kill9(p)
+            assert p.returncode in (-signal.SIGKILL, 0)
+        kills += 1
+    r = run_cli(run_dir, *overrides, cache=cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert kills >= 8
+    return json.loads((run_dir / "final.json").read_text())
+
+
+@pytest.mark.parametrize("lookahead", [1])
+def test_crash_matrix_in_order(tmp_path, xla_cache, lookahead):
+    final = crash_and_finish(tmp_path, [*BASE, f"sampler.max_lookahead={lookahead}"], xla_cache)
+    assert final["reason"] == "data_exhausted"
+    rep = audit(tmp_path)
+    assert rep["ok"], rep
+    rows = lineage(tmp_path)
+    assert sorted(r["prompt_id"] for r in rows) == list(range(32))
+    assert [r["step"] for r in rows] == sorted(r["step"] for r in rows)  # the log is one history
+
+
+def test_crash_matrix_deterministic_is_bit_identical(tmp_path, xla_cache):
+    det = [*BASE, "run.determinism=true", "sampler.max_lookahead=2"]
+    r = run_cli(tmp_path / "clean", *det, cache=xla_cache)
+    assert r.returncode == 0, r.stderr
+    clean = json.loads((tmp_path / "clean" / "final.json").read_text())
+    final = crash_and_finish(tmp_path / "crashed", det, xla_cache, seed=1)
+    assert final["step"] == clean["step"] == 16
+    assert final["fingerprint"] == clean["fingerprint"]
+    assert audit(tmp_path / "crashed")["ok"]
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path, xla_cache):
+    ov = [*BASE, "checkpoint.every_steps=0"]
+    p = spawn(tmp_path, *ov, cache=xla_cache, delay="step:0.2")
+    assert wait_for_step(tmp_path, 3, p)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0, p.stderr.read()[-2000:]
+    stopped = max(r["step"] for r in lineage(tmp_path))
+    assert (tmp_path / "checkpoints" / str(stopped)).exists()  # saved at the step boundary it stopped on
+    r = run_cli(tmp_path, *ov, cache=xla_cache)
+    assert r.returncode == 0 and f"resumed step {stopped}" in r.stderr, r.stderr[-2000:]
+    assert audit(tmp_path)["ok"]
+    assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(32))
+
+
+def test_second_signal_exits_at_once_and_keeps_the_last_checkpoint(tmp_path, xla_cache):
+    ov = [*BASE, "checkpoint.every_steps=2"]
+    p = spawn(tmp_path, *ov, cache=xla_cache, delay="step:0.5")
+    assert wait_for_step(tmp_path, 3, p)
+    while not checkpoint_steps(tmp_path):  # step 2's async write has committed
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=120)
+    assert rc != 0  # it did not wait to save
+    r = run_cli(tmp_path, *ov, cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed step 2" in r.stderr or "resumed step 4" in r.stderr
+    assert audit(tmp_path)["ok"]
