@@ -292,6 +292,12 @@ class Config:
         else:
             _check(not self.run.determinism, "run.determinism", True,
                    f"needs sampler.name=in_order (got {s.name})")
+            _check(s.max_staleness is not None, "sampler.max_staleness", s.max_staleness,
+                   f"required for sampler.name={s.name} (the oldest policy lag a trained group may have)")
+        if self.rollout.filter_zero_variance:
+            _check(self.rollout.samples_per_prompt >= 2, "rollout.filter_zero_variance", True,
+                   f"needs rollout.samples_per_prompt >= 2 (got {self.rollout.samples_per_prompt}): "
+                   "a group of one sample always has zero reward variance")
         if s.max_buffered_groups:
             _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups",
                    s.max_buffered_groups,

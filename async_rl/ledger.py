@@ -83,7 +83,10 @@ class Ledger:
         self.next_ordinal = 0  # ordinal the next drawn record gets
         self.exhausted = False  # the iterator raised StopIteration (I7)
         self.trained_groups = 0
-        self.dropped: dict[str, int] = {}
+        self.trained_tokens = 0
+        self.regenerated_groups = 0  # READY groups sent back to PENDING (staleness)
+        self.regenerated_tokens = 0  # tokens those groups had generated, discarded
+        self.dropped: dict[str, int] = {}  # reason -> groups consumed without training
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -123,13 +126,24 @@ class Ledger:
             for g in groups:
                 del self.groups[g.ordinal]
                 self.trained_groups += 1
+                self.trained_tokens += sum(len(s.tokens) for s in g.samples)
             self.changed.notify_all()
 
-    def drop(self, group: Group, reason: str) -> None:
-        """Removes a group without training it: only for drops the config asked for (I4)."""
+    def regenerate(self, group: Group) -> None:
+        """Sends a READY group back to PENDING: its rollouts are discarded, the prompt stays."""
         with self.changed:
-            del self.groups[group.ordinal]
-            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+            self.regenerated_groups += 1
+            self.regenerated_tokens += sum(len(s.tokens) for s in group.samples)
+            group.reset()
+            self.changed.notify_all()
+
+    def drop(self, groups: Iterable[Group], reason: str) -> None:
+        """Removes groups without training them: only for drops the config asked for (I4);
+        the caller logs them (lineage, drops) under the same lock."""
+        with self.changed:
+            for g in groups:
+                del self.groups[g.ordinal]
+                self.dropped[reason] = self.dropped.get(reason, 0) + 1
             self.changed.notify_all()
 
     # ---- snapshot (checkpoint) -------------------------------------------------------
@@ -162,6 +176,9 @@ class Ledger:
             "next_ordinal": self.next_ordinal,
             "exhausted": self.exhausted,
             "trained_groups": self.trained_groups,
+            "trained_tokens": self.trained_tokens,
+            "regenerated_groups": self.regenerated_groups,
+            "regenerated_tokens": self.regenerated_tokens,
             "dropped": dict(self.dropped),
             "groups": [[g.ordinal, g.prompt_id, g.epoch, g.target_step, g.regenerations, g.prompt, g.answer]
                        for g in groups],
@@ -176,6 +193,9 @@ class Ledger:
         led.next_ordinal = int(h["next_ordinal"])
         led.exhausted = bool(h["exhausted"])
         led.trained_groups = int(h["trained_groups"])
+        led.trained_tokens = int(h.get("trained_tokens", 0))
+        led.regenerated_groups = int(h.get("regenerated_groups", 0))
+        led.regenerated_tokens = int(h.get("regenerated_tokens", 0))
         led.dropped = dict(h["dropped"])
         p_off = np.concatenate([[0], np.cumsum(a["prompt_lens"])])
         s_off = np.concatenate([[0], np.cumsum(a["sample_lens"])])

@@ -2,16 +2,21 @@
 
 Owns: the stamp a record gets when drawn, the gate that bounds how far generation runs
 ahead of the learner, the policy version a group must be generated with (deterministic
-mode), and the blocking `next_batch(step)` the learner calls. Does not own: the ledger's
-storage (ledger), the engine (pump), or training (learner). Every sampler reads and
-writes the ledger under its lock; none removes a group (the learner commits it).
+mode), staleness control (a READY group too old to train goes back to PENDING and is
+regenerated, never dropped), zero-variance filtering, and the blocking
+`next_batch(step)` the learner calls. Does not own: the ledger's storage (ledger), the
+engine (pump), training (learner) or files: consumed-untrained groups and regenerations
+are handed to the `on_filtered` / `on_regenerated` callbacks, which train wires to the
+lineage and drops logs. None removes a group except through those callbacks.
 
 Versions: the learner publishes version v after v steps; step t trains on version t-1.
+A group's staleness at step t is (t - 1) - the oldest version among its tokens.
 """
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
+from typing import Callable
 
 from .config import Config
 from .ledger import Group, Ledger, State
@@ -21,22 +26,86 @@ class Stopped(Exception):
     """The run is stopping (signal or pump failure) while a sampler waits."""
 
 
-class InOrderSampler:
+@dataclass
+class Hooks:
+    on_filtered: Callable[[list[Group], int], None] = lambda groups, step: None
+    on_regenerated: Callable[[Group, int], None] = lambda group, step: None
+
+
+def zero_variance(g: Group) -> bool:
+    rewards = [s.reward for s in g.samples]
+    return max(rewards) == min(rewards)
+
+
+class _Sampler:
+    name = ""
+
+    def __init__(self, cfg: Config, ledger: Ledger, hooks: Hooks | None = None):
+        self.ledger = ledger
+        self.pps = cfg.rollout.prompts_per_step
+        self.lookahead = cfg.sampler.max_lookahead
+        self.deterministic = cfg.run.determinism
+        self.filter = cfg.rollout.filter_zero_variance
+        self.cap = buffer_cap(cfg)
+        self.hooks = hooks or Hooks()
+
+    # ---- what the pump asks (under the ledger lock) -------------------------------------
+
+    def stamp(self, ordinal: int) -> int | None:
+        return None
+
+    def eligible(self, group: Group, version: int) -> bool:
+        return True
+
+    def may_draw(self, version: int) -> bool:
+        led = self.ledger
+        return not led.exhausted and (not self.cap or len(led.groups) < self.cap)
+
+    def on_ready(self, group: Group, version: int) -> None:
+        """A group just became READY (pump thread, under the lock)."""
+
+    # ---- what the learner asks -----------------------------------------------------------
+
+    def _try(self, step: int) -> list[Group] | None | bool:
+        """The groups of `step`; None if no data is left; False if not yet (under the lock)."""
+        raise NotImplementedError
+
+    def _consume_filtered(self, groups: list[Group], step: int) -> list[Group]:
+        """Splits off zero-variance groups and hands them to on_filtered; returns the rest."""
+        if not self.filter:
+            return groups
+        out = [g for g in groups if zero_variance(g)]
+        if out:
+            self.hooks.on_filtered(out, step)
+        return [g for g in groups if not zero_variance(g)]
+
+    def next_batch(self, step: int, should_stop=lambda: False, poll_s: float = 0.05):
+        """Blocks until step `step` can be formed; returns its groups (possibly empty when all
+        were filtered), or None when every drawn group is trained and the data has ended."""
+        with self.ledger.changed:
+            while True:
+                got = self._try(step)
+                if got is not False:
+                    return got
+                if should_stop():
+                    raise Stopped()
+                self.ledger.changed.wait(poll_s)
+
+    def finished(self, step: int) -> bool:
+        with self.ledger.lock:
+            return self.ledger.exhausted and not self.ledger.groups
+
+
+class InOrderSampler(_Sampler):
     """Step t trains exactly the groups with stamp t = ordinal // prompts_per_step + 1.
 
     Generation may run `max_lookahead` steps ahead: a group stamped t may be generated
     once version t-1-L is published. In deterministic mode it is generated with exactly
     that version (so which weights produced which token does not depend on timing).
+    Zero-variance filtering makes a step smaller; it never pulls in another step's groups.
     """
 
     name = "in_order"
-
-    def __init__(self, cfg: Config, ledger: Ledger):
-        self.ledger = ledger
-        self.pps = cfg.rollout.prompts_per_step
-        self.lookahead = cfg.sampler.max_lookahead
-        self.deterministic = cfg.run.determinism
-        self.max_buffered = cfg.sampler.max_buffered_groups
 
     def stamp(self, ordinal: int) -> int:
         return ordinal // self.pps + 1
@@ -52,18 +121,9 @@ class InOrderSampler:
         return group.target_step <= version + 1 + self.lookahead
 
     def may_draw(self, version: int) -> bool:
-        led = self.ledger
-        if led.exhausted:
-            return False
-        if self.max_buffered and len(led.groups) >= self.max_buffered:
-            return False
-        return self.stamp(led.next_ordinal) <= version + 1 + self.lookahead
+        return super().may_draw(version) and self.stamp(self.ledger.next_ordinal) <= version + 1 + self.lookahead
 
-    def on_ready(self, group: Group, version: int) -> None:
-        """A group just became READY (pump, under the lock). in_order keeps every group."""
-
-    def _batch_if_ready(self, step: int) -> list[Group] | None | bool:
-        """The groups of `step` if all are READY; None if the data has no step `step`; False if not yet."""
+    def _try(self, step: int):
         led = self.ledger
         lo, hi = (step - 1) * self.pps, step * self.pps
         if led.exhausted and led.next_ordinal <= lo:
@@ -74,39 +134,78 @@ class InOrderSampler:
         if any(g is None for g in groups):
             missing = [o for o, g in zip(range(lo, hi), groups) if g is None]
             raise RuntimeError(f"in_order step {step}: ordinals {missing} are not in the ledger")
-        if all(g.state == State.READY for g in groups):
-            return groups
-        return False
-
-    def next_batch(self, step: int, should_stop=lambda: False, poll_s: float = 0.05):
-        """Blocks until step `step`'s groups are READY; returns them in ordinal order, or None at end of data."""
-        with self.ledger.changed:
-            while True:
-                got = self._batch_if_ready(step)
-                if got is not False:
-                    return got
-                if should_stop():
-                    raise Stopped()
-                self.ledger.changed.wait(poll_s)
+        if not all(g.state == State.READY for g in groups):
+            return False
+        return self._consume_filtered(groups, step)
 
     def finished(self, step: int) -> bool:
-        """No group is left to train after `step` steps."""
         with self.ledger.lock:
-            return self._batch_if_ready(step + 1) is None
+            return self._try(step + 1) is None
 
 
-def make_sampler(cfg: Config, ledger: Ledger):
-    if cfg.sampler.name == "in_order":
-        return InOrderSampler(cfg, ledger)
-    raise NotImplementedError(f"sampler.name={cfg.sampler.name!r}")
+class _StalenessSampler(_Sampler):
+    """Shared by fifo and windowed: READY groups older than max_staleness are regenerated."""
+
+    def __init__(self, cfg: Config, ledger: Ledger, hooks: Hooks | None = None):
+        super().__init__(cfg, ledger, hooks)
+        self.max_staleness = cfg.sampler.max_staleness
+
+    def _order(self, fresh: list[Group]) -> list[Group]:
+        raise NotImplementedError
+
+    def _try(self, step: int):
+        led = self.ledger
+        version = step - 1
+        ready = [g for g in led.groups.values() if g.state == State.READY]
+        fresh = []
+        for g in ready:
+            if version - g.min_version > self.max_staleness:
+                self.hooks.on_regenerated(g, step)
+                led.regenerate(g)  # back to PENDING: the pump generates it again with newer weights
+            else:
+                fresh.append(g)
+        if self.filter:
+            fresh = self._consume_filtered(fresh, step)
+        if len(fresh) >= self.pps:
+            return self._order(fresh)[:self.pps]
+        if led.exhausted and len(fresh) == len(led.groups):
+            return self._order(fresh) if fresh else None  # the last, short step
+        return False
 
 
-def wait_until(cond, pred, timeout: float) -> bool:
-    """Waits on a Condition (held by the caller) until pred() or timeout; returns pred()."""
-    end = time.monotonic() + timeout
-    while not pred():
-        left = end - time.monotonic()
-        if left <= 0:
-            return False
-        cond.wait(left)
-    return True
+class FifoSampler(_StalenessSampler):
+    """Oldest READY groups first; generation ahead bounded by max_staleness steps of groups."""
+
+    name = "fifo"
+
+    def _order(self, fresh):
+        return sorted(fresh, key=lambda g: g.ordinal)
+
+
+class WindowedSampler(_StalenessSampler):
+    """Freshest READY groups first within max_staleness; generation bounded only by the cap."""
+
+    name = "windowed"
+
+    def _order(self, fresh):
+        return sorted(fresh, key=lambda g: (-g.min_version, g.ordinal))
+
+
+SAMPLERS = {c.name: c for c in (InOrderSampler, FifoSampler, WindowedSampler)}
+
+
+def buffer_cap(cfg: Config) -> int:
+    """Groups the ledger may hold (READY + GENERATING + PENDING); 0 = no cap (in_order's
+    lookahead bounds it)."""
+    s, pps = cfg.sampler, cfg.rollout.prompts_per_step
+    if s.max_buffered_groups:
+        return s.max_buffered_groups
+    if s.name == "fifo":
+        return (s.max_staleness + 1) * pps
+    if s.name == "windowed":
+        return (s.max_staleness + 2) * pps
+    return 0
+
+
+def make_sampler(cfg: Config, ledger: Ledger, hooks: Hooks | None = None) -> _Sampler:
+    return SAMPLERS[cfg.sampler.name](cfg, ledger, hooks)

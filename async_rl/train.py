@@ -29,9 +29,10 @@ from .config import Config, ConfigError
 from .engine import Engine
 from .ledger import Ledger
 from .learner import Learner, build_batch, params_fingerprint
-from .metrics import JsonlLog, MetricsSink, plot_rewards
+from .lineage import RunLogs
+from .metrics import MetricsSink, plot_rewards
 from .pump import Pump
-from .sampler import Stopped, make_sampler
+from .sampler import Hooks, Stopped, make_sampler
 from .tokenizer import build_tokenizer
 
 
@@ -85,27 +86,48 @@ def setup_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _lineage_rows(step: int, groups) -> list[dict]:
-    rows = []
-    for g in groups:
-        vs = sorted({v for s in g.samples for v in s.versions})
-        rows.append({"step": step, "prompt_id": g.prompt_id, "epoch": g.epoch, "ordinal": g.ordinal,
-                     "versions": vs})
-    return rows
+def _host_metrics(batch, step: int, groups, ledger: Ledger, pump: Pump, dt: float, learner_idle: float,
+                  new_tokens: int) -> dict:
+    lag = (step - 1) - batch.versions_BxN[batch.mask_BxN & batch.row_valid_B[:, None]]
+    counts = ledger.counts()
+    m = {"perf/step_time_s": dt, "perf/tokens_per_s": new_tokens / max(dt, 1e-9),
+         "perf/learner_idle_frac": learner_idle, "perf/pump_idle_frac": pump.idle_fraction(),
+         "rollout/staleness_mean": float(lag.mean()) if lag.size else 0.0,
+         "rollout/staleness_max": int(lag.max()) if lag.size else 0,
+         "rollout/staleness_hist": np.bincount(lag).tolist() if lag.size else [],
+         "data/groups": len(groups), "data/drawn": ledger.next_ordinal,
+         "data/ledger_ready": counts["ready"], "data/ledger_generating": counts["generating"],
+         "data/ledger_pending": counts["pending"],
+         "data/regenerated": ledger.regenerated_groups,
+         "perf/regen_tokens_per_1k": 1000.0 * ledger.regenerated_tokens / max(ledger.trained_tokens, 1)}
+    if groups:
+        m["data/epoch"] = max(g.epoch for g in groups)
+    m.update({f"data/dropped/{k}": v for k, v in ledger.dropped.items()})
+    return m
 
 
-def _rollout_rows(step: int, groups, tok) -> list[dict]:
-    return [{"step": step, "prompt_id": g.prompt_id, "ordinal": g.ordinal, "prompt": g.prompt, "answer": g.answer,
-             "samples": [{"tokens": s.tokens, "versions": s.versions, "reward": s.reward, "text": tok.decode(s.tokens)}
-                         for s in g.samples]} for g in groups]
+def _resume_line(restored, ledger: Ledger, cut: int) -> str:
+    summ = restored.ledger.summary()
+    ready_steps = sorted({g.target_step for g in ledger.groups.values()
+                          if g.state.name == "READY" and g.target_step is not None})
+    return (f"resumed step {restored.step}: {summ['ready']} ready groups"
+            + (f" (step {', '.join(map(str, ready_steps))})" if ready_steps else "")
+            + f", {summ['generating']} generating ({summ['kept_tokens']} tokens kept), {summ['pending']} pending; "
+            f"iterator at ordinal {ledger.next_ordinal}" + (" (exhausted)" if ledger.exhausted else "")
+            + (f"; cut {cut} bytes of lineage written after it" if cut else ""))
 
 
-def _staleness(batch, step: int) -> tuple[float, int]:
-    v = batch.versions_BxN[batch.mask_BxN]
-    if v.size == 0:
-        return 0.0, 0
-    lag = (step - 1) - v
-    return float(lag.mean()), int(lag.max())
+def _announce_drops(cfg: Config, pd, log) -> None:
+    """I4: a config that consumes data without training it says so, with how much it may."""
+    n = len(pd.prompt_ids) * cfg.data.num_epochs
+    if cfg.rollout.filter_zero_variance:
+        log(f"note: rollout.filter_zero_variance=true: groups whose {cfg.rollout.samples_per_prompt} rewards are "
+            f"all equal are consumed without training (up to all {n} prompt-epochs; each is logged in "
+            "drops.jsonl and counted in data/dropped/zero_variance)")
+    if cfg.sampler.name != "in_order":
+        log(f"note: sampler.name={cfg.sampler.name}: READY groups older than sampler.max_staleness="
+            f"{cfg.sampler.max_staleness} are regenerated (their rollouts discarded, logged in drops.jsonl); "
+            "no prompt is dropped")
 
 
 def train(cfg: Config, log=None) -> RunResult:
@@ -155,44 +177,29 @@ def train(cfg: Config, log=None) -> RunResult:
         "records_per_epoch": int(pd.records_per_epoch), "bad_records": len(pd.bad_records)}))
     final_path = run_dir / "final.json"
     final_path.unlink(missing_ok=True)
-    lineage = JsonlLog(run_dir / "lineage.jsonl")
-    rollouts = JsonlLog(run_dir / "rollouts.jsonl") if cfg.log.rollouts else None
+    _announce_drops(cfg, pd, log)
+    logs = RunLogs(run_dir, rollouts=cfg.log.rollouts, tokenizer=tok)
     iterator = data_mod.make_iterator(pd)
+    cut = logs.cut_to(restored.meta if restored else None, warn=lambda m: log(f"warning: {m}"))
     if restored is not None:
-        want = int(restored.meta["lineage_bytes"])
-        if lineage.tell() < want:
-            log(f"warning: {lineage.path} has {lineage.tell()} bytes but checkpoint step {restored.step} "
-                f"recorded {want}; lines of trained groups are missing from the log")
-        cut = lineage.truncate(want)
-        if rollouts is not None:
-            rollouts.truncate(int(restored.meta.get("rollouts_bytes", 0)))
         iterator.set_state(restored.iterator_state)
         ledger = Ledger.from_snapshot(restored.ledger)
         state, step = restored.state, restored.step
-        summ = restored.ledger.summary()
-        ready_steps = sorted({g.target_step for g in ledger.groups.values()
-                              if g.state.name == "READY" and g.target_step is not None})
-        log(f"resumed step {step}: {summ['ready']} ready groups"
-            + (f" (step {', '.join(map(str, ready_steps))})" if ready_steps else "")
-            + f", {summ['generating']} generating ({summ['kept_tokens']} tokens kept), {summ['pending']} pending; "
-            f"iterator at ordinal {ledger.next_ordinal}" + (" (exhausted)" if ledger.exhausted else "")
-            + (f"; cut {cut} bytes of lineage written after it" if cut else ""))
+        log(_resume_line(restored, ledger, cut))
     else:
-        lineage.truncate(0)
-        if rollouts is not None:
-            rollouts.truncate(0)
         ledger = Ledger(cfg.rollout.samples_per_prompt)
         state, step = learner.init_state(learner.init_params()), 0
     ref_params = learner.init_params() if learner.use_ref else None
 
     sink = MetricsSink(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress and sys.stderr.isatty(),
                        every=cfg.log.every_steps, total_steps=_total_steps(cfg, pd), start_step=step, console=log)
-    if restored is not None:
-        sink.jsonl.truncate(int(restored.meta.get("metrics_bytes", 0)))
-    else:
-        sink.jsonl.truncate(0)
+    sink.jsonl.truncate(int(restored.meta.get("metrics_bytes", 0)) if restored else 0)
 
-    sampler = make_sampler(cfg, ledger)
+    def on_filtered(groups, s):  # sampler, main thread, under the ledger lock
+        ledger.drop(groups, "zero_variance")
+        logs.filtered(s, groups)
+
+    sampler = make_sampler(cfg, ledger, Hooks(on_filtered=on_filtered, on_regenerated=lambda g, s: logs.regenerated(s, g)))
     params_e = engine.load_params(learner.publishable(state["params"]))
     engine.update_params(params_e, step)
     pump = Pump(ledger=ledger, sampler=sampler, engine=engine, iterator=iterator, tokenizer=tok,
@@ -222,13 +229,13 @@ def train(cfg: Config, log=None) -> RunResult:
         flush_metrics()
         if cfg.run.determinism:
             pump.pause_for_cut(s, should_stop=lambda: pump.error is not None)
-        with ledger.lock:  # I2: iterator state and ledger at one instant
+        with ledger.lock:  # I2: iterator state, ledger and log sizes at one instant
             it_state = pump.iterator_state()
             snap = ledger.snapshot()
+            sizes = logs.sizes()
         if pump.error is not None:
             raise pump.error
-        meta = {"step": s, "version": s, "lineage_bytes": lineage.tell(), "metrics_bytes": sink.jsonl.tell(),
-                "rollouts_bytes": rollouts.tell() if rollouts is not None else 0,
+        meta = {"step": s, "version": s, **sizes, "metrics_bytes": sink.jsonl.tell(),
                 "data_stream": C.data_stream(cfg), "config": C.to_dict(cfg), "next_ordinal": snap.header["next_ordinal"],
                 "exhausted": snap.header["exhausted"], "seed": cfg.run.seed, "time": time.time()}
         ckpt.save(s, state, it_state, snap, meta)
@@ -254,32 +261,27 @@ def train(cfg: Config, log=None) -> RunResult:
                 break
             batch = build_batch(groups, groups_per_step=cfg.rollout.prompts_per_step, samples=cfg.rollout.samples_per_prompt,
                                 prompt_len=cfg.engine.max_prompt_len, max_new=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
-            state, dev_metrics = learner.step(state, batch, ref_params)
+            if groups:  # a step whose groups were all filtered leaves the weights as they are
+                state, dev_metrics = learner.step(state, batch, ref_params)
+            else:
+                dev_metrics = {}
             step += 1
+            # publish before the groups leave the ledger: a gate that counts buffered groups
+            # (fifo) must not let the pump start new work on the old weights in between
+            pump.publish(step, engine.load_params(learner.publishable(state["params"])))
             with ledger.lock:
                 ledger.commit(groups)
-                lineage.append(_lineage_rows(step, groups))
-                if rollouts is not None:
-                    rollouts.append(_rollout_rows(step, groups, tok))
+                logs.trained(step, groups)
             faults.point("step", step)
             faults.delay("step")
-            pump.publish(step, engine.load_params(learner.publishable(state["params"])))
             flush_metrics()
             now = time.perf_counter()
-            st_mean, st_max = _staleness(batch, step)
-            counts = ledger.counts()
-            host = {"perf/step_time_s": now - t_prev, "perf/tokens_per_s": (pump.stats.tokens - tokens0) / max(now - t_prev, 1e-9),
-                    "perf/learner_idle_frac": wait_s / (now - t_start), "perf/pump_idle_frac": pump.idle_fraction(),
-                    "rollout/staleness_mean": st_mean, "rollout/staleness_max": st_max,
-                    "data/groups": len(groups), "data/drawn": ledger.next_ordinal,
-                    "data/ledger_ready": counts["ready"], "data/ledger_generating": counts["generating"],
-                    "data/ledger_pending": counts["pending"], "data/epoch": max(g.epoch for g in groups)}
+            host = _host_metrics(batch, step, groups, ledger, pump, now - t_prev, wait_s / (now - t_start),
+                                 pump.stats.tokens - tokens0)
             tokens0, t_prev = pump.stats.tokens, now
             pending = (step, dev_metrics, host)
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 host["ckpt/save_blocking_s"] = save(step)
-        else:
-            reason = "max_steps"
         if reason != "data_exhausted" and sampler.finished(step):
             reason = "data_exhausted"
         if pump.error is not None:
@@ -295,9 +297,7 @@ def train(cfg: Config, log=None) -> RunResult:
         signals.restore()
         sink.close()
         ckpt.close()
-        lineage.close()
-        if rollouts is not None:
-            rollouts.close()
+        logs.close()
 
     fp = params_fingerprint(state["params"])
     rewards_seen = [h["rollout/reward_mean"] for h in history if "rollout/reward_mean" in h]

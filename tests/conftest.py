@@ -3,6 +3,7 @@ XLA rendezvous), CPU platform, quiet libraries, and one XLA compilation cache sh
 the training subprocesses of a session (restarts then pay restore, not recompilation)."""
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("ASYNC_RL_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="async_rl_xla_"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -6,7 +6,12 @@ from pathlib import Path
 
 from async_rl import config as C
 
-FAST = ["log.progress=false", "log.tensorboard=false", "log.plot=false", "run.compilation_cache=",
+import os as _os
+
+# one persistent XLA cache per test session (conftest): in-process runs and subprocesses
+# reuse compiled programs instead of compiling the same shapes again
+FAST = ["log.progress=false", "log.tensorboard=false", "log.plot=false",
+        f"run.compilation_cache={_os.environ.get('ASYNC_RL_TEST_XLA_CACHE', '')}",
         "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_kv_heads=2",
         "engine.max_concurrent_decodes=16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
         "data.max_digits=4", "checkpoint.every_steps=0"]

@@ -16,18 +16,22 @@ BASE = ["data.num_records=32", "rollout.prompts_per_step=2", "data.num_epochs=1"
         "checkpoint.every_steps=1", "checkpoint.keep=2"]
 
 
-def _schedule(seed: int) -> list[tuple]:
-    """At least 8 kills: inside saves, right after saves, after a step's log line, at random."""
+def _schedule(seed: int, short: bool = False) -> list[tuple]:
+    """At least 8 kills (5 when short): inside saves, right after saves, after a step's log
+    line, during start-up, at random moments after a step."""
     rng = random.Random(seed)
+    if short:
+        return [("at", "ckpt_write:2"), ("random", 3, rng.uniform(0, 0.4)), ("at", "ckpt_saved:5"),
+                ("random", 6, rng.uniform(0, 0.4)), ("at", "step:8")]
     return [("at", "ckpt_write:2"), ("random", 3, rng.uniform(0, 0.4)), ("at", "ckpt_saved:4"),
             ("at", "step:5"), ("random", 6, rng.uniform(0, 0.4)), ("startup", rng.uniform(0.5, 2.5)),
             ("at", "ckpt_write:8"), ("random", 9, rng.uniform(0, 0.4)), ("at", "ckpt_saved:10"),
             ("random", 11, rng.uniform(0, 0.4))]
 
 
-def crash_and_finish(run_dir, overrides, cache, seed=0) -> dict:
+def crash_and_finish(run_dir, overrides, cache, seed=0, short=False) -> dict:
     kills = 0
-    for kind, *args in _schedule(seed):
+    for kind, *args in _schedule(seed, short):
         if kind == "at":
             r = run_cli(run_dir, *overrides, cache=cache, kill_at=args[0])
             assert r.returncode == -signal.SIGKILL, (args, r.returncode, r.stderr[-2000:])
@@ -44,19 +48,46 @@ def crash_and_finish(run_dir, overrides, cache, seed=0) -> dict:
         kills += 1
     r = run_cli(run_dir, *overrides, cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert kills >= 8
+    assert kills >= (5 if short else 8)
     return json.loads((run_dir / "final.json").read_text())
+
+
+def _check_run(run_dir, staleness_bound=None):
+    rep = audit(run_dir)
+    assert rep["ok"], rep
+    rows = lineage(run_dir)
+    assert sorted(r["prompt_id"] for r in rows) == list(range(32))
+    assert [r["step"] for r in rows] == sorted(r["step"] for r in rows)  # the log is one history
+    if staleness_bound is not None:
+        assert all((r["step"] - 1) - min(r["versions"]) <= staleness_bound for r in rows)
 
 
 @pytest.mark.parametrize("lookahead", [1])
 def test_crash_matrix_in_order(tmp_path, xla_cache, lookahead):
     final = crash_and_finish(tmp_path, [*BASE, f"sampler.max_lookahead={lookahead}"], xla_cache)
     assert final["reason"] == "data_exhausted"
-    rep = audit(tmp_path)
-    assert rep["ok"], rep
-    rows = lineage(tmp_path)
-    assert sorted(r["prompt_id"] for r in rows) == list(range(32))
-    assert [r["step"] for r in rows] == sorted(r["step"] for r in rows)  # the log is one history
+    _check_run(tmp_path, staleness_bound=lookahead)
+
+
+@pytest.mark.parametrize("name", ["fifo", "windowed"])
+def test_crash_staleness_samplers(tmp_path, xla_cache, name):
+    ov = [*BASE, f"sampler.name={name}", "sampler.max_staleness=1", "rollout.partial=true"]
+    final = crash_and_finish(tmp_path, ov, xla_cache, seed=3, short=True)
+    assert final["reason"] == "data_exhausted"
+    _check_run(tmp_path, staleness_bound=1)
+
+
+SOAK = [(s, k, p) for s in ("in_order", "fifo", "windowed") for k in (0, 1, 3) for p in (False, True)]
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("name, k, partial", SOAK, ids=[f"{s}-{k}-{'partial' if p else 'whole'}" for s, k, p in SOAK])
+def test_soak_crash_matrix(tmp_path, xla_cache, name, k, partial):
+    knob = f"sampler.max_lookahead={k}" if name == "in_order" else f"sampler.max_staleness={k}"
+    ov = [*BASE, f"sampler.name={name}", knob, f"rollout.partial={str(partial).lower()}"]
+    final = crash_and_finish(tmp_path, ov, xla_cache, seed=k * 2 + partial)
+    assert final["reason"] == "data_exhausted"
+    _check_run(tmp_path, staleness_bound=k)
 
 
 def test_crash_matrix_deterministic_is_bit_identical(tmp_path, xla_cache):

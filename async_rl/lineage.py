@@ -1,0 +1,74 @@
+"""The run's history logs, which follow the checkpoint: lineage, drops and rollouts.
+
+Owns: `lineage.jsonl` (one line per consumed group: trained, or consumed untrained by
+explicit config with `"filtered": true`), `drops.jsonl` (every rollout or group not
+trained, with its reason: I4), the optional `rollouts.jsonl` (every trained sample's
+tokens), their byte sizes recorded in each checkpoint's meta, and cutting them back to
+those sizes on resume (I5: lines a killed process wrote after its last checkpoint
+describe groups that come back from the ledger). Does not own: deciding what is trained
+or dropped (sampler, train) or reading the logs back (audit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .ledger import Group
+from .metrics import JsonlLog
+
+LOGS = ("lineage", "drops", "rollouts")
+
+
+class RunLogs:
+    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer):
+        self.tok = tokenizer
+        self.lineage = JsonlLog(run_dir / "lineage.jsonl")
+        self.drops = JsonlLog(run_dir / "drops.jsonl")
+        self.rollouts = JsonlLog(run_dir / "rollouts.jsonl") if rollouts else None
+
+    def _logs(self):
+        return [(n, getattr(self, n)) for n in LOGS if getattr(self, n) is not None]
+
+    def sizes(self) -> dict[str, int]:
+        """Byte sizes for the checkpoint's meta (call at the cut)."""
+        return {f"{n}_bytes": log.tell() for n, log in self._logs()}
+
+    def cut_to(self, meta: dict | None, warn) -> int:
+        """Truncates each log to the size `meta` recorded (None: a fresh start, to 0)."""
+        cut = 0
+        for n, log in self._logs():
+            want = int(meta.get(f"{n}_bytes", 0)) if meta else 0
+            if n == "lineage" and log.tell() < want:
+                warn(f"{log.path} has {log.tell()} bytes but the checkpoint recorded {want}; "
+                     "lines of trained groups are missing from the log")
+            got = log.truncate(want)
+            cut += got if n == "lineage" else 0
+        return cut
+
+    def trained(self, step: int, groups: list[Group]) -> None:
+        self.lineage.append([_row(step, g) for g in groups])
+        if self.rollouts is not None:
+            self.rollouts.append([{**_row(step, g), "prompt": g.prompt, "answer": g.answer,
+                                   "samples": [{"tokens": s.tokens, "versions": s.versions, "reward": s.reward,
+                                                "text": self.tok.decode(s.tokens)} for s in g.samples]}
+                                  for g in groups])
+
+    def filtered(self, step: int, groups: list[Group]) -> None:
+        """Groups consumed without training (rollout.filter_zero_variance): the audit counts them once."""
+        self.lineage.append([{**_row(step, g), "filtered": True} for g in groups])
+        self.drops.append([{**_row(step, g), "reason": "zero_variance", "what": "group",
+                            "rewards": [s.reward for s in g.samples]} for g in groups])
+
+    def regenerated(self, step: int, g: Group) -> None:
+        """A READY group too stale to train: its rollouts are discarded, the prompt is generated again."""
+        self.drops.append([{**_row(step, g), "reason": "stale", "what": "rollouts",
+                            "tokens": sum(len(s.tokens) for s in g.samples)}])
+
+    def close(self) -> None:
+        for _, log in self._logs():
+            log.close()
+
+
+def _row(step: int, g: Group) -> dict:
+    return {"step": step, "prompt_id": g.prompt_id, "epoch": g.epoch, "ordinal": g.ordinal,
+            "versions": sorted({v for s in g.samples for v in s.versions})}
