@@ -28,6 +28,13 @@ test: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak tests
 
+# Logits of the HF loader vs. transformers' own Llama/Qwen2 on CPU torch (too heavy for CI,
+# which compares against a NumPy reference instead). Installs torch + transformers into .venv.
+TORCH_WHEEL ?= $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl)
+parity: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0"
+	ASYNC_RL_PARITY=1 $(BIN)/python -m pytest -q -m parity -s tests
+
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/learner.py

@@ -122,6 +122,9 @@ class Learner:
     # ---- state -------------------------------------------------------------------------
 
     def init_params(self) -> nnx.State:
+        if self.cfg.model.hf_path:  # pretrained weights, each tensor read straight into its sharding
+            from . import hf
+            return hf.load_params(self.cfg.model.hf_path, self.abstract_params, self.param_sh)
         return self._init_params()
 
     def init_state(self, params: nnx.State) -> dict:

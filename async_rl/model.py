@@ -95,10 +95,34 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope(x_BxTxHxD, positions_BxT, theta: float):
-    """HF-Llama rotary embedding: non-interleaved halves, rotate_half, computed in fp32."""
+def rope_scaling(cfg: ModelConfig) -> tuple:
+    """The static scaling arguments of `rope` for a config; () when RoPE is unscaled."""
+    if cfg.rope_scaling == "none":
+        return ()
+    return (cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max_positions)
+
+
+def _scaled_inv_freq(inv_freq, kind: str, factor: float, low: float, high: float, original: int):
+    """HF `rope_scaling`: linear slows every frequency; llama3 slows only the long wavelengths
+    (above original/low), keeps the short ones (below original/high) and blends in between."""
+    if kind == "linear":
+        return inv_freq / factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, blended, out)
+
+
+def rope(x_BxTxHxD, positions_BxT, theta: float, scaling: tuple = ()):
+    """HF-Llama rotary embedding: non-interleaved halves, rotate_half, computed in fp32.
+    `scaling` comes from `rope_scaling(cfg)`."""
     hd = x_BxTxHxD.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    if scaling:
+        inv_freq = _scaled_inv_freq(inv_freq, *scaling)
     freqs = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
@@ -125,6 +149,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.theta = h, g, hd, cfg.rope_theta
+        self.rope_scaling = rope_scaling(cfg)
         std = 1.0 / math.sqrt(d)
         self.q = Linear(d, h * hd, ("embed", "heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
         self.k = Linear(d, g * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
@@ -138,7 +163,8 @@ class Attention(nnx.Module):
         q = self.q(x_BxTxD).reshape(b, t, self.n_heads, self.head_dim)
         k = self.k(x_BxTxD).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v(x_BxTxD).reshape(b, t, self.n_kv_heads, self.head_dim)
-        return rope(q, positions_BxT, self.theta), rope(k, positions_BxT, self.theta), v
+        sc = self.rope_scaling
+        return rope(q, positions_BxT, self.theta, sc), rope(k, positions_BxT, self.theta, sc), v
 
 
 class MLP(nnx.Module):

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import config as C
 from . import data as data_mod
+from . import hf
 from . import faults, rewards, sharding
 from .checkpoint import Checkpointer, check_data_stream
 from .config import Config, ConfigError
@@ -133,6 +134,7 @@ def _announce_drops(cfg: Config, pd, log) -> None:
 def train(cfg: Config, log=None) -> RunResult:
     """Runs (or resumes) the job described by `cfg`; returns when it ends or is stopped."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cfg = hf.resolve(cfg)  # model.hf_path: architecture fields and tokenizer from the HF directory
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_compilation_cache(cfg.run.compilation_cache)
