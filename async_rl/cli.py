@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             return _err(str(e), 2)
         print(f"exported to {out}")
         return 0
+    from . import hf
     try:
-        cfg = C.load(args.config, args.overrides)
+        cfg = hf.resolve(C.load(args.config, args.overrides))  # model.hf_path fills in the architecture
     except C.ConfigError as e:
         return _err(str(e), 2)
     print("# resolved config\n" + C.to_yaml(cfg), flush=True)

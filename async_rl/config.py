@@ -206,6 +206,7 @@ class LearnerConfig:
     is_cap: float = 2.0  # truncation cap for importance weights
     kl_coef: float = 0.0  # KL penalty to the frozen initial policy; 0 = no reference model
     adv_eps: float = 1e-6  # added to the group reward std before dividing
+    logits_chunk: int = 0  # completion columns projected to the vocabulary at once; 0 = all
 
     def __post_init__(self):
         _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
@@ -221,6 +222,7 @@ class LearnerConfig:
         _one_of("learner.is_correction", self.is_correction, ("none", "tis", "seq_tis", "decoupled"))
         _check(self.is_cap >= 1, "learner.is_cap", self.is_cap, "must be >= 1")
         _check(self.kl_coef >= 0, "learner.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.logits_chunk >= 0, "learner.logits_chunk", self.logits_chunk, "must be >= 0")
 
 
 @dataclass(frozen=True)

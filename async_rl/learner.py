@@ -150,11 +150,12 @@ class Learner:
         return {k: sharding.batch_sharding(self.mesh, nd) for k, nd in shapes.items()}
 
     def _logprobs(self, params, b):
+        """Completion-token logprobs and entropies; only the N predicting columns reach the vocabulary."""
         model = nnx.merge(self.graphdef, params)
-        logits = model(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"])
-        logits_c = logits[:, self.P - 1:self.P + self.N - 1]  # column c-1 predicts column c
-        logp = losses.token_logprobs(logits_c, b["completion_BxN"], self.cfg.engine.temperature)
-        return logp, logits_c
+        x = model.hidden(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"])
+        x_c = x[:, self.P - 1:self.P + self.N - 1]  # column c-1 predicts column c
+        return losses.completion_logprobs(model.logits, x_c, b["completion_BxN"], self.cfg.engine.temperature,
+                                          self.cfg.learner.logits_chunk)
 
     def _train_step(self, state, ref_params, b):
         lc = self.cfg.learner
@@ -163,7 +164,7 @@ class Learner:
         adv = losses.grpo_advantages(rewards_GxS, lc.adv_eps).reshape(-1)
 
         def loss_fn(params):
-            logp, logits_c = self._logprobs(params, b)
+            logp, ent = self._logprobs(params, b)
             loss, stats = losses.policy_loss(logp, b["behav_logp_BxN"], adv, mask, clip_eps=lc.clip_eps,
                                              correction=lc.is_correction, is_cap=lc.is_cap)
             if self.use_ref:
@@ -171,10 +172,8 @@ class Learner:
                 kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp), mask)
                 loss = loss + lc.kl_coef * kl
                 stats["kl"] = kl
-            p = jax.nn.softmax(logits_c.astype(jnp.float32), -1)
-            ent = -(p * jax.nn.log_softmax(logits_c.astype(jnp.float32), -1)).sum(-1)
             fm = mask.astype(jnp.float32)
-            stats["entropy"] = (ent * fm).sum() / jnp.maximum(fm.sum(), 1)
+            stats["entropy"] = jax.lax.stop_gradient((ent * fm).sum() / jnp.maximum(fm.sum(), 1))
             stats["logp_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(logp - b["behav_logp_BxN"]), 0.0))
             return loss, stats
 

@@ -30,6 +30,32 @@ def token_logprobs(logits_BxNxV: jax.Array, tokens_BxN: jax.Array, temperature: 
     return jnp.take_along_axis(logp, tokens_BxN[..., None], axis=-1)[..., 0]
 
 
+def completion_logprobs(logits_fn, x_BxNxD, tokens_BxN, temperature: float, chunk: int = 0):
+    """(logp_BxN, entropy_BxN) of the completion tokens, projecting to the vocabulary `chunk`
+    columns at a time: the [B, chunk, V] logits are rematerialised in the backward pass
+    instead of keeping [B, N, V] alive (it dominates memory for 100k+ vocabularies)."""
+    t = temperature if temperature > 0 else 1.0
+
+    def one(x_c, tok_c):
+        logp_all = jax.nn.log_softmax(logits_fn(x_c).astype(jnp.float32) / t, axis=-1)
+        logp = jnp.take_along_axis(logp_all, tok_c[..., None], axis=-1)[..., 0]
+        ent = -(jnp.exp(logp_all) * logp_all).sum(-1)
+        return logp, ent
+
+    n = x_BxNxD.shape[1]
+    if not chunk or chunk >= n:
+        return one(x_BxNxD, tokens_BxN)
+    pad = (-n) % chunk
+    x = jnp.pad(x_BxNxD, ((0, 0), (0, pad), (0, 0)))
+    tok = jnp.pad(tokens_BxN, ((0, 0), (0, pad)))
+    b, k = x.shape[0], (n + pad) // chunk
+    xs = x.reshape(b, k, chunk, -1).swapaxes(0, 1)
+    ts = tok.reshape(b, k, chunk).swapaxes(0, 1)
+    logp, ent = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (xs, ts))
+    unchunk = lambda y: y.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
+    return unchunk(logp), unchunk(ent)
+
+
 def _masked_mean(x, mask):
     return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 

@@ -241,6 +241,14 @@ class Transformer(nnx.Module):
             vs.append(v)
         return x, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
 
+    def hidden(self, tokens_BxT, positions_BxT, valid_BxT):
+        """Residual stream after the last block [B, T, D] (before the final norm)."""
+        return self._trunk(tokens_BxT, positions_BxT, valid_BxT)[0]
+
+    def logits(self, x):
+        """fp32 logits from `hidden` output (any leading shape)."""
+        return self._logits(x)
+
     def __call__(self, tokens_BxT, positions_BxT, valid_BxT):
         """Logits [B, T, V] fp32; query i sees key j iff j <= i and valid[j]."""
         x, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT)

@@ -83,3 +83,22 @@ def test_token_logprobs_use_temperature():
     for t in (1.0, 0.5):
         expect = np.asarray(jax.nn.log_softmax(logits / t))[0, 0, 0]
         assert float(losses.token_logprobs(logits, tok, t)[0, 0]) == pytest.approx(expect, rel=1e-6)
+
+
+def test_chunked_completion_logprobs_match_unchunked_values_and_grads():
+    rng = np.random.default_rng(0)
+    W = jnp.asarray(rng.normal(size=(8, 37)).astype(np.float32))
+    x = jnp.asarray(rng.normal(size=(3, 10, 8)).astype(np.float32))
+    tok = jnp.asarray(rng.integers(0, 37, size=(3, 10)))
+    f = lambda w, chunk: losses.completion_logprobs(lambda h: h @ w, x, tok, 0.7, chunk)
+    full_lp, full_ent = f(W, 0)
+    expect = jax.nn.log_softmax((x @ W) / 0.7)
+    np.testing.assert_allclose(full_lp, np.take_along_axis(np.asarray(expect), np.asarray(tok)[..., None], -1)[..., 0],
+                               rtol=1e-5, atol=1e-6)
+    for chunk in (3, 4, 10):
+        lp, ent = f(W, chunk)
+        np.testing.assert_allclose(lp, full_lp, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ent, full_ent, rtol=1e-5, atol=1e-6)
+        g_full = jax.grad(lambda w: f(w, 0)[0].sum())(W)
+        g = jax.grad(lambda w: f(w, chunk)[0].sum())(W)
+        np.testing.assert_allclose(g, g_full, rtol=1e-4, atol=1e-5)
