@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import faults
+from . import faults, sharding
 from .config import ConfigError, DATA_STREAM_FIELDS
 from .ledger import LedgerSnapshot
 
@@ -145,19 +145,25 @@ class Checkpointer:
         return Restored(step=step, state=r.state, iterator_state=r.data.state, ledger=r.ledger, meta=r.meta)
 
     def restore_latest(self, abstract_state, warn) -> Restored | None:
-        """Newest step that restores whole; a damaged one is moved to `damaged/` with a warning."""
+        """Newest step that restores whole on every process; a damaged one is moved to
+        `damaged/` (by process 0) with a warning naming it."""
         steps = self.steps()
         for step in reversed(steps):
             try:
-                return self.restore(step, abstract_state)
+                got, err = self.restore(step, abstract_state), None
             except Exception as e:  # any unreadable part makes the whole step unusable
-                dest = self.directory.parent / "damaged" / f"step_{step}_{int(time.time())}"
-                warn(f"checkpoint step {step} in {self.directory} is damaged "
-                     f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); moved to {dest}; "
-                     "trying the previous step")
+                got, err = None, e
+            if sharding.agree([got is not None]).all():
+                return got
+            dest = self.directory.parent / "damaged" / f"step_{step}_{int(time.time())}"
+            why = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err else "damaged on another process"
+            warn(f"checkpoint step {step} in {self.directory} is damaged ({why}); moved to {dest}; "
+                 "trying the previous step")
+            if jax.process_index() == 0:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(self.directory / str(step)), dest)
-                self.mngr.reload()
+            sharding.agree([1])  # every process sees the move before reloading
+            self.mngr.reload()
         if steps:
             raise CheckpointError(f"every checkpoint step in {self.directory} is damaged ({steps}); "
                                   "refusing to start over silently")

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .checkpoint import CheckpointError
     from .data import DataError
+    from .sharding import init_distributed
     from .train import train
+    init_distributed()
     try:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:

@@ -113,6 +113,9 @@ class Learner:
         self._init_opt = jax.jit(self.tx.init, out_shardings=self.opt_sh)
         self._shared = shared_devices
         self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+        # several processes: each engine needs the whole weights on its own devices
+        self._replicate = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=sharding.replicated(mesh)) \
+            if jax.process_count() > 1 else None
         self.use_ref = cfg.learner.kl_coef > 0
         self._step = jax.jit(self._train_step, donate_argnums=(0,),
                              in_shardings=(self.state_sh, self.param_sh if self.use_ref else None,
@@ -139,7 +142,10 @@ class Learner:
         """Params for the engine, in buffers that the next (donating) step cannot free.
 
         On shared devices a replicated layout could make the engine's device_put a no-op
-        that aliases the learner's buffers, so copy; onto other devices, the transfer copies."""
+        that aliases the learner's buffers, so copy; onto other devices, the transfer copies.
+        With several processes: all-gather, then this process's full local copy."""
+        if self._replicate is not None:
+            return jax.tree.map(lambda x: x.addressable_shards[0].data, self._replicate(params))
         return self._copy(params) if self._shared else params
 
     # ---- step --------------------------------------------------------------------------

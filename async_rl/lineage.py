@@ -20,11 +20,12 @@ LOGS = ("lineage", "drops", "rollouts")
 
 
 class RunLogs:
-    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer):
+    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer, suffix: str = ""):
+        """`suffix` (".p1", ...) names the logs of process i > 0 of a multi-host job."""
         self.tok = tokenizer
-        self.lineage = JsonlLog(run_dir / "lineage.jsonl")
-        self.drops = JsonlLog(run_dir / "drops.jsonl")
-        self.rollouts = JsonlLog(run_dir / "rollouts.jsonl") if rollouts else None
+        self.lineage = JsonlLog(run_dir / f"lineage{suffix}.jsonl")
+        self.drops = JsonlLog(run_dir / f"drops{suffix}.jsonl")
+        self.rollouts = JsonlLog(run_dir / f"rollouts{suffix}.jsonl") if rollouts else None
 
     def _logs(self):
         return [(n, getattr(self, n)) for n in LOGS if getattr(self, n) is not None]
@@ -34,7 +35,8 @@ class RunLogs:
         return {f"{n}_bytes": log.tell() for n, log in self._logs()}
 
     def cut_to(self, meta: dict | None, warn) -> int:
-        """Truncates each log to the size `meta` recorded (None: a fresh start, to 0)."""
+        """Truncates each log to the size `meta` recorded (None: a fresh start, to 0); returns
+        the bytes of lineage cut."""
         cut = 0
         for n, log in self._logs():
             want = int(meta.get(f"{n}_bytes", 0)) if meta else 0

@@ -71,8 +71,8 @@ class MetricsSink:
                "perf/learner_idle_frac", "rollout/staleness_mean")
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
-                 start_step: int, console=print):
-        self.jsonl = JsonlLog(run_dir / "metrics.jsonl")
+                 start_step: int, console=print, name: str = "metrics.jsonl"):
+        self.jsonl = JsonlLog(run_dir / name)
         self.every, self.console = every, console
         self.tb = None
         if tensorboard:

@@ -40,13 +40,14 @@ def zero_variance(g: Group) -> bool:
 class _Sampler:
     name = ""
 
-    def __init__(self, cfg: Config, ledger: Ledger, hooks: Hooks | None = None):
+    def __init__(self, cfg: Config, ledger: Ledger, hooks: Hooks | None = None, groups_per_step: int = 0):
+        """`groups_per_step`: this process's share of a step (prompts_per_step / processes)."""
         self.ledger = ledger
-        self.pps = cfg.rollout.prompts_per_step
+        self.pps = groups_per_step or cfg.rollout.prompts_per_step
         self.lookahead = cfg.sampler.max_lookahead
         self.deterministic = cfg.run.determinism
         self.filter = cfg.rollout.filter_zero_variance
-        self.cap = buffer_cap(cfg)
+        self.cap = buffer_cap(cfg, self.pps)
         self.hooks = hooks or Hooks()
 
     # ---- what the pump asks (under the ledger lock) -------------------------------------
@@ -92,6 +93,7 @@ class _Sampler:
                 self.ledger.changed.wait(poll_s)
 
     def finished(self, step: int) -> bool:
+        """Every drawn group is consumed and the data has ended (no side effects)."""
         with self.ledger.lock:
             return self.ledger.exhausted and not self.ledger.groups
 
@@ -139,15 +141,15 @@ class InOrderSampler(_Sampler):
         return self._consume_filtered(groups, step)
 
     def finished(self, step: int) -> bool:
-        with self.ledger.lock:
-            return self._try(step + 1) is None
+        with self.ledger.lock:  # no record was drawn for step + 1 and none will be
+            return self.ledger.exhausted and self.ledger.next_ordinal <= step * self.pps
 
 
 class _StalenessSampler(_Sampler):
     """Shared by fifo and windowed: READY groups older than max_staleness are regenerated."""
 
-    def __init__(self, cfg: Config, ledger: Ledger, hooks: Hooks | None = None):
-        super().__init__(cfg, ledger, hooks)
+    def __init__(self, cfg: Config, ledger: Ledger, hooks: Hooks | None = None, groups_per_step: int = 0):
+        super().__init__(cfg, ledger, hooks, groups_per_step)
         self.max_staleness = cfg.sampler.max_staleness
 
     def _order(self, fresh: list[Group]) -> list[Group]:
@@ -194,12 +196,12 @@ class WindowedSampler(_StalenessSampler):
 SAMPLERS = {c.name: c for c in (InOrderSampler, FifoSampler, WindowedSampler)}
 
 
-def buffer_cap(cfg: Config) -> int:
-    """Groups the ledger may hold (READY + GENERATING + PENDING); 0 = no cap (in_order's
-    lookahead bounds it)."""
-    s, pps = cfg.sampler, cfg.rollout.prompts_per_step
+def buffer_cap(cfg: Config, pps: int) -> int:
+    """Groups this process's ledger may hold (READY + GENERATING + PENDING); 0 = no cap
+    (in_order's lookahead bounds it)."""
+    s = cfg.sampler
     if s.max_buffered_groups:
-        return s.max_buffered_groups
+        return max(s.max_buffered_groups * pps // cfg.rollout.prompts_per_step, pps)
     if s.name == "fifo":
         return (s.max_staleness + 1) * pps
     if s.name == "windowed":
@@ -207,5 +209,5 @@ def buffer_cap(cfg: Config) -> int:
     return 0
 
 
-def make_sampler(cfg: Config, ledger: Ledger, hooks: Hooks | None = None) -> _Sampler:
-    return SAMPLERS[cfg.sampler.name](cfg, ledger, hooks)
+def make_sampler(cfg: Config, ledger: Ledger, hooks: Hooks | None = None, groups_per_step: int = 0) -> _Sampler:
+    return SAMPLERS[cfg.sampler.name](cfg, ledger, hooks, groups_per_step)

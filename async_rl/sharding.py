@@ -1,7 +1,8 @@
-"""Device meshes and shardings for the learner and the engine.
+"""Processes, device meshes and shardings for the learner and the engine.
 
-Owns: splitting devices between learner and engine (`mesh.engine_devices`), the learner
-Mesh with axes (data, fsdp, tensor), the rules that turn a parameter's logical `axes`
+Owns: joining a multi-process job (`init_distributed`) and small cross-process agreements
+(`agree`), splitting each process's devices between learner and engine
+(`mesh.engine_devices`), the learner Mesh with axes (data, fsdp, tensor), the rules that turn a parameter's logical `axes`
 metadata into a PartitionSpec, optimizer-state shardings, the batch sharding, and
 host-local batches -> global arrays. Does not own: what the arrays mean (model,
 learner) or moving weights into the engine (engine.load_params).
@@ -9,6 +10,7 @@ learner) or moving weights into the engine (engine.load_params).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -32,16 +34,49 @@ class Devices:
     shared: bool  # engine and learner use the same devices
 
 
+def init_distributed() -> bool:
+    """Joins a multi-process job when the launcher asks for one.
+
+    `ASYNC_RL_DISTRIBUTED=1` (or `JAX_COORDINATOR_ADDRESS` set) calls
+    `jax.distributed.initialize`, which takes the coordinator from JAX_COORDINATOR_ADDRESS and
+    the process count and id from ASYNC_RL_NUM_PROCESSES / ASYNC_RL_PROCESS_ID when set, or
+    detects a TPU pod, SLURM or Open MPI job itself. Must run before anything touches devices.
+    """
+    if os.environ.get("ASYNC_RL_DISTRIBUTED", "") != "1" and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return False
+    num = os.environ.get("ASYNC_RL_NUM_PROCESSES")
+    pid = os.environ.get("ASYNC_RL_PROCESS_ID")
+    jax.distributed.initialize(num_processes=int(num) if num else None, process_id=int(pid) if pid else None)
+    return True
+
+
+def agree(values) -> np.ndarray:
+    """Every process's `values` (a flat list of numbers), as a [process_count, n] array."""
+    local = np.asarray(values, np.float64).reshape(1, -1)
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
 def make_devices(cfg: MeshConfig) -> Devices:
-    """Splits devices and builds the learner mesh; errors name the mesh.* field."""
+    """Splits devices and builds the learner mesh; errors name the mesh.* field.
+
+    Each process gives its last `mesh.engine_devices` local devices to its own engine; the
+    learner mesh spans the remaining devices of every process."""
     local = jax.local_devices()
     k = cfg.engine_devices
     if k >= len(local):
         raise ConfigError(f"mesh.engine_devices={k}: must be < the {len(local)} devices of this process "
                           "(the learner needs at least one)")
     engine = local[len(local) - k:] if k else local
-    engine_ids = {d.id for d in engine} if k else set()
-    learner = [d for d in jax.devices() if d.id not in engine_ids]
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    learner = []
+    for _, ds in sorted(by_process.items()):
+        ds = sorted(ds, key=lambda d: d.id)
+        learner += ds[:len(ds) - k] if k else ds
     n = len(learner)
     rest = cfg.fsdp * cfg.tensor
     data = cfg.data if cfg.data != -1 else n // rest

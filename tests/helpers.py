@@ -100,3 +100,39 @@ def read_ledger(run_dir: Path, step: int):
 def rollouts(run_dir: Path) -> list[dict]:
     p = Path(run_dir) / "rollouts.jsonl"
     return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_multi(run_dir: Path, *overrides: str, nproc: int = 2, devices_per_process: int = 2, kill_at: str = "",
+              timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """A multi-host job on this machine: `nproc` training processes joined through
+    jax.distributed on loopback, each with its own forced CPU devices."""
+    port = free_port()
+    procs = []
+    for i in range(nproc):
+        env = dict(os.environ, ASYNC_RL_DISTRIBUTED="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   ASYNC_RL_NUM_PROCESSES=str(nproc), ASYNC_RL_PROCESS_ID=str(i), PYTHONUNBUFFERED="1",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+                   ASYNC_RL_KILL_AT=kill_at if i == 0 else "")
+        procs.append(subprocess.Popen(cli_args(run_dir, *overrides), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, env=env))
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            err = p.communicate(timeout=max(1, deadline - time.monotonic()))[1]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            err = p.communicate()[1]
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, "", err))
+        if kill_at:  # the others wait on a collective the killed one never joins: end them too
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+    return out
