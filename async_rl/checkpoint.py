@@ -11,6 +11,7 @@ what the data stream means. Does not own: when to save or what the cut contains
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shutil
@@ -23,10 +24,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint import future
 
 from . import faults, sharding
 from .config import ConfigError, DATA_STREAM_FIELDS
-from .ledger import LedgerSnapshot
+from .ledger import Capture, LedgerSnapshot
 
 # ---- the ledger item ---------------------------------------------------------------------
 
@@ -35,19 +37,30 @@ def _process_prefix() -> str:
     return f"process_{jax.process_index()}-of-{jax.process_count()}"
 
 
-class LedgerHandler(ocp.CheckpointHandler):
-    """Writes each process's ledger shard as `<prefix>.json` + one `.npy` per ragged array."""
+class LedgerHandler(ocp.AsyncCheckpointHandler):
+    """Writes each process's ledger shard as `<prefix>.json` + one `.npy` per ragged array.
 
-    def save(self, directory: epath.Path, args: "LedgerSave") -> None:
+    Asynchronous: the arrays are built from the cut and written from Orbax's background
+    commit, so a save holds the learner only for the cut itself."""
+
+    def _write(self, directory: epath.Path, args: "LedgerSave") -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        pre, snap = _process_prefix(), args.snapshot
+        pre, snap = _process_prefix(), args.cut.build()
         header = dict(snap.header, arrays=sorted(snap.arrays))
         for i, (name, arr) in enumerate(snap.arrays.items()):
             np.save(directory / f"{pre}.{name}.npy", arr, allow_pickle=False)
             if i == 1:
                 faults.point("ckpt_write", args.step)
         (directory / f"{pre}.json").write_text(json.dumps(header))
+
+    async def async_save(self, directory: epath.Path, args: "LedgerSave"):
+        async def write():
+            await asyncio.to_thread(self._write, directory, args)
+        return [future.CommitFutureAwaitingContractedSignals(write(), name="ledger_save")]
+
+    def save(self, directory: epath.Path, args: "LedgerSave") -> None:
+        self._write(directory, args)
 
     def restore(self, directory: epath.Path, args: "LedgerRestore" = None) -> LedgerSnapshot:
         directory, pre = Path(directory), _process_prefix()
@@ -68,7 +81,7 @@ class LedgerHandler(ocp.CheckpointHandler):
 @ocp.args.register_with_handler(LedgerHandler, for_save=True)
 @dataclasses.dataclass
 class LedgerSave(ocp.args.CheckpointArgs):
-    snapshot: LedgerSnapshot
+    cut: Capture  # the ledger at the cut (a LedgerSnapshot works too: it has build())
     step: int = -1
 
 
@@ -116,7 +129,7 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.mngr.all_steps())
 
-    def save(self, step: int, state, iterator_state: dict, ledger: LedgerSnapshot, meta: dict) -> None:
+    def save(self, step: int, state, iterator_state: dict, ledger: Capture, meta: dict) -> None:
         t0 = time.perf_counter()
         self.mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),

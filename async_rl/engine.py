@@ -92,12 +92,14 @@ def sample_token(logits_V, key, *, temperature: float, top_k: int, top_p: float)
 
 class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
-                 max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None):
+                 max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
+                 steps_per_call: int = 1):
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.width = max_prompt_len + max_new_tokens
         self.seed = seed
+        self.steps_per_call = steps_per_call
         self._sample = functools.partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
         self.mesh = Mesh(np.asarray(devices if devices is not None else jax.devices()), ("data",))
         self.params: Any = None
@@ -118,15 +120,19 @@ class Engine:
         self._prefill = jax.jit(self._prefill_impl, in_shardings=rep, out_shardings=rep)
         self._insert = jax.jit(self._insert_impl, in_shardings=(rep, st, rep, rep, rep), out_shardings=st,
                                donate_argnums=1)
-        generate = self._generate_impl
-        if split:
-            # Per-device bodies over local slots: without this the partitioner all-gathers
-            # the logits for top-k and the new k/v rows for the cache scatter.
-            specs = jax.tree.map(lambda s: s.spec, st)
-            generate = jax.shard_map(generate, mesh=self.mesh, in_specs=(PS(), specs),
-                                     out_specs=(specs, PS("data"), PS("data")))
-        self._generate = jax.jit(generate, in_shardings=(rep, st), out_shardings=(st, per_slot, per_slot),
-                                 donate_argnums=1)
+        def compiled(body, token_spec, token_sharding):
+            if split:
+                # Per-device bodies over local slots: without this the partitioner all-gathers
+                # the logits for top-k and the new k/v rows for the cache scatter.
+                specs = jax.tree.map(lambda s: s.spec, st)
+                body = jax.shard_map(body, mesh=self.mesh, in_specs=(PS(), specs),
+                                     out_specs=(specs, token_spec, token_spec))
+            return jax.jit(body, in_shardings=(rep, st), out_shardings=(st, token_sharding, token_sharding),
+                           donate_argnums=1)
+
+        self._generate = compiled(self._generate_impl, PS("data"), per_slot)
+        per_step_slot = NamedSharding(self.mesh, PS(None, "data") if split else PS())
+        self._generate_steps = compiled(self._generate_steps_impl, PS(None, "data"), per_step_slot)
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
     # ---- weights -------------------------------------------------------------------
@@ -180,6 +186,19 @@ class Engine:
         tokens_S, logprobs_S = jax.device_get((tokens_S, logprobs_S))
         return state, np.asarray(tokens_S), np.asarray(logprobs_S)
 
+    def generate_steps(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
+        """`steps_per_call` tokens for every slot in one call: (state, tokens_KxS, logprobs_KxS).
+
+        One dispatch and one host sync per K tokens. Tokens a slot produces after its stop
+        token (or its N-th token) are garbage the caller drops; the slot is refilled after
+        the call, so a finished slot idles for the rest of it."""
+        if self.steps_per_call == 1:
+            state, tokens_S, logprobs_S = self.generate(params, decode_state)
+            return state, tokens_S[None], logprobs_S[None]
+        state, tokens_KxS, logprobs_KxS = self._generate_steps(params, decode_state)
+        tokens_KxS, logprobs_KxS = jax.device_get((tokens_KxS, logprobs_KxS))
+        return state, np.asarray(tokens_KxS), np.asarray(logprobs_KxS)
+
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._free(decode_state, np.int32(slot))
 
@@ -224,6 +243,13 @@ class Engine:
         new = dataclasses.replace(st, cache=cache, logits_SxV=logits_SxV,
                                   cols_S=st.cols_S + st.active_S.astype(jnp.int32))
         return new, tokens_S, logprobs_S
+
+    def _generate_steps_impl(self, params, st: DecodeState):
+        def step(carry, _):
+            carry, tok, lp = self._generate_impl(params, carry)
+            return carry, (tok, lp)
+        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call)
+        return st, tokens_KxS, logprobs_KxS
 
     def _free_impl(self, st: DecodeState, slot) -> DecodeState:
         return dataclasses.replace(st, active_S=st.active_S.at[slot].set(False))

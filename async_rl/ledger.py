@@ -14,6 +14,7 @@ lineage log by the caller under the same lock) or `drop` (explicit, counted, log
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -148,42 +149,24 @@ class Ledger:
 
     # ---- snapshot (checkpoint) -------------------------------------------------------
 
-    def snapshot(self) -> "LedgerSnapshot":
-        """Ragged arrays + JSON header of every group (I2: take the iterator state in the same
-        `with ledger.lock:` block)."""
+    def capture(self) -> "Capture":
+        """The cut: which groups exist and how far each sample got. Cheap (no token copies),
+        so it is what runs under the lock, next to the iterator's get_state (I2); `build`
+        turns it into arrays afterwards. Samples only grow by appending and a group is
+        reset or removed only by the thread that saves, so the recorded prefixes stay put."""
         with self.lock:
-            return self._snapshot()
+            groups = list(self.groups.values())
+            samples = [[(s, len(s.tokens), s.done, s.reward) for s in g.samples] for g in groups]
+            ints = [(g.ordinal, g.prompt_id, g.epoch, -1 if g.target_step is None else g.target_step,
+                     g.regenerations) for g in groups]
+            counters = {"samples_per_prompt": self.samples_per_prompt, "next_ordinal": self.next_ordinal,
+                        "exhausted": self.exhausted, "trained_groups": self.trained_groups,
+                        "trained_tokens": self.trained_tokens, "regenerated_groups": self.regenerated_groups,
+                        "regenerated_tokens": self.regenerated_tokens, "dropped": dict(self.dropped)}
+            return Capture(groups, samples, ints, counters)
 
-    def _snapshot(self) -> "LedgerSnapshot":
-        groups = list(self.groups.values())
-        S = self.samples_per_prompt
-        prompt_lens = np.array([len(g.prompt_tokens) for g in groups], np.int64)
-        sample_lens = np.array([len(s.tokens) for g in groups for s in g.samples], np.int64)
-        cat = lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt)
-        arrays = {
-            "prompt_tokens": cat([g.prompt_tokens for g in groups], np.int32),
-            "prompt_lens": prompt_lens,
-            "tokens": cat([np.asarray(s.tokens, np.int32) for g in groups for s in g.samples], np.int32),
-            "logprobs": cat([np.asarray(s.logprobs, np.float32) for g in groups for s in g.samples], np.float32),
-            "versions": cat([np.asarray(s.versions, np.int32) for g in groups for s in g.samples], np.int32),
-            "sample_lens": sample_lens,
-            "done": np.array([s.done for g in groups for s in g.samples], np.bool_),
-            "reward": np.array([np.nan if s.reward is None else s.reward for g in groups for s in g.samples],
-                               np.float64),
-        }
-        header = {
-            "samples_per_prompt": S,
-            "next_ordinal": self.next_ordinal,
-            "exhausted": self.exhausted,
-            "trained_groups": self.trained_groups,
-            "trained_tokens": self.trained_tokens,
-            "regenerated_groups": self.regenerated_groups,
-            "regenerated_tokens": self.regenerated_tokens,
-            "dropped": dict(self.dropped),
-            "groups": [[g.ordinal, g.prompt_id, g.epoch, g.target_step, g.regenerations, g.prompt, g.answer]
-                       for g in groups],
-        }
-        return LedgerSnapshot(header=header, arrays=arrays)
+    def snapshot(self) -> "LedgerSnapshot":
+        return self.capture().build()
 
     @classmethod
     def from_snapshot(cls, snap: "LedgerSnapshot") -> "Ledger":
@@ -198,20 +181,70 @@ class Ledger:
         led.regenerated_tokens = int(h.get("regenerated_tokens", 0))
         led.dropped = dict(h["dropped"])
         p_off = np.concatenate([[0], np.cumsum(a["prompt_lens"])])
-        s_off = np.concatenate([[0], np.cumsum(a["sample_lens"])])
-        for i, (ordinal, pid, epoch, step, regen, prompt, answer) in enumerate(h["groups"]):
+        s_off = np.concatenate([[0], np.cumsum(a["sample_lens"])]).tolist()
+        # one conversion per array, then list slices: per-sample .tolist() dominates otherwise
+        tokens, logprobs, versions = a["tokens"].tolist(), a["logprobs"].tolist(), a["versions"].tolist()
+        done, reward = a["done"].tolist(), a["reward"].tolist()
+        texts = _unpack_texts(a["text_bytes"], a["text_lens"])
+        for i, (ordinal, pid, epoch, step, regen) in enumerate(a["group_ints"].tolist()):
             samples = []
             for j in range(i * S, (i + 1) * S):
                 lo, hi = s_off[j], s_off[j + 1]
-                r = float(a["reward"][j])
-                samples.append(Sample(tokens=a["tokens"][lo:hi].tolist(), logprobs=a["logprobs"][lo:hi].tolist(),
-                                      versions=a["versions"][lo:hi].tolist(), done=bool(a["done"][j]),
-                                      reward=None if np.isnan(r) else r))
-            led.groups[int(ordinal)] = Group(
-                ordinal=int(ordinal), prompt_id=int(pid), epoch=int(epoch), prompt=prompt, answer=answer,
+                samples.append(Sample(tokens=tokens[lo:hi], logprobs=logprobs[lo:hi], versions=versions[lo:hi],
+                                      done=done[j], reward=None if reward[j] != reward[j] else reward[j]))
+            led.groups[ordinal] = Group(
+                ordinal=ordinal, prompt_id=pid, epoch=epoch, prompt=texts[2 * i], answer=texts[2 * i + 1],
                 prompt_tokens=a["prompt_tokens"][p_off[i]:p_off[i + 1]].copy(), samples=samples,
-                target_step=None if step is None else int(step), regenerations=int(regen))
+                target_step=None if step < 0 else step, regenerations=regen)
         return led
+
+
+@dataclass
+class Capture:
+    groups: list[Group]
+    samples: list[list[tuple]]  # per group, per sample: (Sample, tokens at the cut, done, reward)
+    ints: list[tuple]  # per group: ordinal, prompt_id, epoch, target_step (-1 = none), regenerations
+    counters: dict
+
+    def build(self) -> "LedgerSnapshot":
+        """Ragged arrays (tokens, logprobs, versions, per-group ints, texts) + a small header."""
+        flat = [x for per in self.samples for x in per]
+        n = sum(x[1] for x in flat)
+
+        def cat(attr, dt):
+            it = itertools.chain.from_iterable(getattr(smp, attr)[:k] for smp, k, _, _ in flat)
+            return np.fromiter(it, dt, count=n)
+
+        groups = self.groups
+        prompts = [g.prompt_tokens for g in groups]
+        text_bytes, text_lens = _pack_texts([t for g in groups for t in (g.prompt, g.answer)])
+        arrays = {
+            "prompt_tokens": np.concatenate(prompts).astype(np.int32, copy=False) if prompts else np.zeros(0, np.int32),
+            "prompt_lens": np.array([len(p) for p in prompts], np.int64),
+            "tokens": cat("tokens", np.int32),
+            "logprobs": cat("logprobs", np.float32),
+            "versions": cat("versions", np.int32),
+            "sample_lens": np.array([x[1] for x in flat], np.int64),
+            "done": np.array([x[2] for x in flat], np.bool_),
+            "reward": np.array([np.nan if x[3] is None else x[3] for x in flat], np.float64),
+            "group_ints": np.array(self.ints, np.int64).reshape(-1, 5),
+            "text_bytes": text_bytes,
+            "text_lens": text_lens,
+        }
+        return LedgerSnapshot(header=dict(self.counters), arrays=arrays)
+
+
+def _pack_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    enc = [t.encode("utf-8") for t in texts]
+    return np.frombuffer(b"".join(enc), np.uint8).copy(), np.array([len(e) for e in enc], np.int64)
+
+
+def _unpack_texts(data: np.ndarray, lens: np.ndarray) -> list[str]:
+    raw, out, pos = data.tobytes(), [], 0
+    for n in lens.tolist():
+        out.append(raw[pos:pos + n].decode("utf-8"))
+        pos += n
+    return out
 
 
 @dataclass
@@ -233,3 +266,6 @@ class LedgerSnapshot:
 
     def to_json(self) -> str:
         return json.dumps(self.header)
+
+    def build(self) -> "LedgerSnapshot":
+        return self

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,44 @@ class JsonlLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+class StepClock:
+    """When each dispatched learner step finished on its devices.
+
+    Steps are dispatched asynchronously, so the host's wait for a batch says little about
+    the devices; a thread blocks on each step's outputs and stamps their completion. The
+    learner was idle before step t for max(0, dispatch(t) - done(t - 1))."""
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue()
+        self._done: dict[int, float] = {}
+        self._dispatch: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._run, name="step-clock", daemon=True)
+        self._thread.start()
+
+    def dispatched(self, step: int, outputs) -> None:
+        self._dispatch[step] = time.perf_counter()
+        self._q.put((step, outputs))
+
+    def _run(self) -> None:
+        import jax
+        while (item := self._q.get()) is not None:
+            step, outputs = item
+            jax.block_until_ready(outputs)
+            self._done[step] = time.perf_counter()
+
+    def idle_fraction(self, step: int) -> float | None:
+        """Idle share of the interval between the dispatches of steps step-1 and step."""
+        t, prev = self._dispatch.get(step), self._dispatch.get(step - 1)
+        if t is None or prev is None or t <= prev:
+            return None
+        done = self._done.get(step - 1)
+        return 0.0 if done is None else max(0.0, t - done) / (t - prev)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=60)
 
 
 def read_jsonl(path: Path) -> list[dict]:

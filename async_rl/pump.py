@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from . import faults
@@ -28,7 +29,6 @@ class PumpStats:
     tokens: int = 0  # tokens generated (kept in the ledger)
     prefills: int = 0
     swaps: int = 0
-    started: float = field(default_factory=time.perf_counter)
 
 
 class Pump:
@@ -118,7 +118,7 @@ class Pump:
                     params = self.params
                 t0 = time.perf_counter()
                 self._insert(picks, params)
-                self.decode_state, toks, lps = self.engine.generate(params, self.decode_state)
+                self.decode_state, toks, lps = self.engine.generate_steps(params, self.decode_state)
                 faults.delay("generate")
                 self.stats.busy_s += time.perf_counter() - t0
                 self._record(np.asarray(toks), np.asarray(lps))
@@ -139,13 +139,30 @@ class Pump:
             self._swap(need)
             for v in [v for v in self.published if v < need]:
                 del self.published[v]
-        elif self.latest > self.version and (self.partial or not any(self.slots)):
-            self._swap(self.latest)
+        else:
+            ready = self._newest_ready()
+            if ready > self.version and (self.partial or not any(self.slots)):
+                self._swap(ready)
+
+    def _newest_ready(self) -> int:
+        """The newest published version whose weights are computed: swapping to one still in
+        flight would stall the engine on the learner's step instead of overlapping with it."""
+        for v in sorted(self.published, reverse=True):
+            if v <= self.version:
+                return self.version
+            if all(x.is_ready() for x in jax.tree.leaves(self.published[v])):
+                return v
+        return self.version
 
     def _swap(self, version: int) -> None:
         self.params, self.version = self.published[version], version
         self.engine.update_params(self.params, version)
         self.stats.swaps += 1
+
+    def _gate_version(self) -> int:
+        # deterministic: generation waits for exact versions anyway; otherwise the gates count
+        # from the weights the engine runs, so no group is generated staler than its bound
+        return self.latest if self.deterministic else self.version
 
     def _required_for_next_draw(self) -> int:
         return self.sampler.required_version_for_stamp(self.sampler.stamp(self.ledger.next_ordinal))
@@ -155,12 +172,12 @@ class Pump:
         for g in self.ledger.groups.values():
             if any(not s.in_engine and not s.done for s in g.samples):
                 return self.sampler.required_version(g)
-        if self.sampler.may_draw(self.latest):
+        if self.sampler.may_draw(self.latest, self.latest):
             return self._required_for_next_draw()
         return None
 
     def _startable(self, g: Group) -> bool:
-        if not self.sampler.eligible(g, self.latest):
+        if not self.sampler.eligible(g, self._gate_version(), self.latest):
             return False
         if not self.deterministic:
             return True
@@ -168,7 +185,7 @@ class Pump:
         return req == self.version and (self._cut_below is None or req < self._cut_below)
 
     def _may_draw(self) -> bool:
-        if not self.sampler.may_draw(self.latest):
+        if not self.sampler.may_draw(self._gate_version(), self.latest):
             return False
         return not self.deterministic or self._cut_below is None or self._required_for_next_draw() < self._cut_below
 
@@ -177,7 +194,7 @@ class Pump:
         free = [i for i, s in enumerate(self.slots) if s is None]
         if not free:
             return []
-        if not self.partial and not self.deterministic and self.latest > self.version:
+        if not self.partial and not self.deterministic and self._newest_ready() > self.version:
             return []  # drain the slots first, then swap (publication waits for them)
         picks: list[tuple[int, Group, int]] = []
 
@@ -236,7 +253,7 @@ class Pump:
                       if g is None or all(s.started or s.done for s in g.samples)]:
                 del self._prefixes[o]
 
-    def _record(self, toks: np.ndarray, lps: np.ndarray) -> None:
+    def _record(self, toks_KxS: np.ndarray, lps_KxS: np.ndarray) -> None:
         finished: list[tuple[Group, Sample]] = []
         stops = self._stops
         with self.ledger.changed:
@@ -245,15 +262,17 @@ class Pump:
                     continue
                 g, si = occ
                 s = g.samples[si]
-                t = int(toks[slot])
-                s.tokens.append(t)
-                s.logprobs.append(float(lps[slot]))
-                s.versions.append(self.version)
-                self.stats.tokens += 1
-                if t in stops or len(s.tokens) >= self.N:
-                    s.done, s.in_engine = True, False
-                    self.slots[slot] = None
-                    finished.append((g, s))
+                for k in range(toks_KxS.shape[0]):
+                    t = int(toks_KxS[k, slot])
+                    s.tokens.append(t)
+                    s.logprobs.append(float(lps_KxS[k, slot]))
+                    s.versions.append(self.version)
+                    self.stats.tokens += 1
+                    if t in stops or len(s.tokens) >= self.N:
+                        s.done, s.in_engine = True, False
+                        self.slots[slot] = None
+                        finished.append((g, s))
+                        break
             self.ledger.changed.notify_all()
         self._reward(finished)
 
@@ -283,10 +302,6 @@ class Pump:
             todo = [(g, s) for g in self.ledger.groups.values() for s in g.samples if s.done and s.reward is None]
         if todo:
             self._reward(todo)
-
-    def idle_fraction(self) -> float:
-        wall = time.perf_counter() - self.stats.started
-        return self.stats.idle_s / wall if wall > 0 else 0.0
 
 
 class RewardError(RuntimeError):

@@ -55,10 +55,11 @@ class _Sampler:
     def stamp(self, ordinal: int) -> int | None:
         return None
 
-    def eligible(self, group: Group, version: int) -> bool:
+    def eligible(self, group: Group, version: int, latest: int) -> bool:
+        """May the pump start `group` with weights `version` while `latest` is published?"""
         return True
 
-    def may_draw(self, version: int) -> bool:
+    def may_draw(self, version: int, latest: int) -> bool:
         led = self.ledger
         return not led.exhausted and (not self.cap or len(led.groups) < self.cap)
 
@@ -119,11 +120,12 @@ class InOrderSampler(_Sampler):
         """The weights a group is generated with in deterministic mode."""
         return self.required_version_for_stamp(group.target_step)
 
-    def eligible(self, group: Group, version: int) -> bool:
+    def eligible(self, group: Group, version: int, latest: int) -> bool:
         return group.target_step <= version + 1 + self.lookahead
 
-    def may_draw(self, version: int) -> bool:
-        return super().may_draw(version) and self.stamp(self.ledger.next_ordinal) <= version + 1 + self.lookahead
+    def may_draw(self, version: int, latest: int) -> bool:
+        return (super().may_draw(version, latest)
+                and self.stamp(self.ledger.next_ordinal) <= version + 1 + self.lookahead)
 
     def _try(self, step: int):
         led = self.ledger
@@ -154,6 +156,14 @@ class _StalenessSampler(_Sampler):
 
     def _order(self, fresh: list[Group]) -> list[Group]:
         raise NotImplementedError
+
+    def eligible(self, group: Group, version: int, latest: int) -> bool:
+        # trained at step latest + 1 at the earliest, on weights `latest`: work started on weights
+        # more than max_staleness behind them could only arrive stale, so wait for newer ones
+        return latest - version <= self.max_staleness
+
+    def may_draw(self, version: int, latest: int) -> bool:
+        return super().may_draw(version, latest) and self.eligible(None, version, latest)
 
     def _try(self, step: int):
         led = self.ledger

@@ -32,7 +32,7 @@ from .engine import Engine
 from .ledger import Ledger
 from .learner import Learner, build_batch, params_fingerprint
 from .lineage import RunLogs
-from .metrics import MetricsSink, plot_rewards
+from .metrics import MetricsSink, StepClock, plot_rewards
 from .pump import Pump
 from .sampler import Hooks, Stopped, make_sampler
 from .tokenizer import build_tokenizer
@@ -119,7 +119,7 @@ def train(cfg: Config, log=None) -> RunResult:
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
-                    seed=cfg.run.seed, devices=devices.engine)
+                    seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call)
 
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     steps = ckpt.steps()
@@ -177,6 +177,8 @@ def train(cfg: Config, log=None) -> RunResult:
     history: list[dict] = []
     t_start = time.perf_counter()
     wait_s, tokens0, t_prev, last_saved = 0.0, 0, t_start, (restored.step if restored else -1)
+    wait0, pump_idle0 = 0.0, 0.0
+    clock = StepClock()
     pending = None  # (step, device metrics, host metrics) of the step before the one in flight
     reason = "max_steps"
 
@@ -198,13 +200,13 @@ def train(cfg: Config, log=None) -> RunResult:
             pump.pause_for_cut(s, should_stop=lambda: pump.error is not None)
         with ledger.lock:  # I2: iterator state, ledger and log sizes at one instant
             it_state = pump.iterator_state()
-            snap = ledger.snapshot()
-            snap.header["logs"] = {**logs.sizes(), "metrics_bytes": sink.jsonl.tell()}
+            cut = ledger.capture()
+            cut.counters["logs"] = {**logs.sizes(), "metrics_bytes": sink.jsonl.tell()}
         if pump.error is not None:
             raise pump.error
         meta = {"step": s, "version": s, "data_stream": C.data_stream(cfg), "config": C.to_dict(cfg),
                 "processes": pc, "seed": cfg.run.seed, "time": time.time()}
-        ckpt.save(s, state, it_state, snap, meta)
+        ckpt.save(s, state, it_state, cut, meta)
         if cfg.run.determinism:
             pump.resume()
         last_saved = s
@@ -237,6 +239,7 @@ def train(cfg: Config, log=None) -> RunResult:
                                 max_new=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
             if sharding.agree([len(groups)]).sum() > 0:
                 state, dev_metrics = learner.step(state, batch, ref_params)
+                clock.dispatched(step + 1, dev_metrics)
             else:  # every group of the step was filtered: the weights stay as they are
                 dev_metrics = {}
             step += 1
@@ -250,9 +253,14 @@ def train(cfg: Config, log=None) -> RunResult:
             faults.delay("step")
             flush_metrics()
             now = time.perf_counter()
-            host = _host_metrics(batch, step, groups, ledger, pump, now - t_prev, wait_s / (now - t_start),
-                                 pump.stats.tokens - tokens0)
-            tokens0, t_prev = pump.stats.tokens, now
+            host = _host_metrics(batch, step, groups, ledger, now - t_prev)
+            host.update({"perf/tokens_per_s": (pump.stats.tokens - tokens0) / max(now - t_prev, 1e-9),
+                         "perf/learner_wait_s": wait_s - wait0,
+                         "perf/pump_idle_frac": (pump.stats.idle_s - pump_idle0) / max(now - t_prev, 1e-9)})
+            idle = clock.idle_fraction(step)
+            if idle is not None:
+                host["perf/learner_idle_frac"] = idle
+            tokens0, t_prev, wait0, pump_idle0 = pump.stats.tokens, now, wait_s, pump.stats.idle_s
             pending = (step, dev_metrics, host)
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                 host["ckpt/save_blocking_s"] = save(step)
@@ -268,6 +276,7 @@ def train(cfg: Config, log=None) -> RunResult:
         ckpt.wait()
     finally:
         pump.stop()
+        clock.close()
         signals.restore()
         sink.close()
         ckpt.close()
@@ -298,12 +307,10 @@ def _prefixed(log, prefix: str):
     return lambda msg: log(prefix + msg)
 
 
-def _host_metrics(batch, step: int, groups, ledger: Ledger, pump: Pump, dt: float, learner_idle: float,
-                  new_tokens: int) -> dict:
+def _host_metrics(batch, step: int, groups, ledger: Ledger, dt: float) -> dict:
     lag = (step - 1) - batch.versions_BxN[batch.mask_BxN & batch.row_valid_B[:, None]]
     counts = ledger.counts()
-    m = {"perf/step_time_s": dt, "perf/tokens_per_s": new_tokens / max(dt, 1e-9),
-         "perf/learner_idle_frac": learner_idle, "perf/pump_idle_frac": pump.idle_fraction(),
+    m = {"perf/step_time_s": dt,
          "rollout/staleness_mean": float(lag.mean()) if lag.size else 0.0,
          "rollout/staleness_max": int(lag.max()) if lag.size else 0,
          "rollout/staleness_hist": np.bincount(lag).tolist() if lag.size else [],

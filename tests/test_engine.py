@@ -175,3 +175,32 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
     greedy = int(np.argmax(logits))
     toks, _ = jax.vmap(lambda k: sample_token(logits, k, temperature=1.0, top_k=0, top_p=1e-6))(keys)
     assert set(np.asarray(toks).tolist()) == {greedy}
+
+
+@pytest.mark.parametrize("devices", ["one", None])
+def test_generate_steps_equals_single_steps(model, prompts, devices):
+    """K decode steps in one call produce exactly the tokens and logprobs of K single calls."""
+    graphdef, params = model
+    kw = dict(temperature=1.0, top_k=5, devices=devices)
+    one = make_engine(graphdef, **kw)
+    many = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
+                  top_k=5, top_p=1.0, seed=7, devices=one.mesh.devices.ravel().tolist(), steps_per_call=3)
+    p1, pk = one.load_params(params), many.load_params(params)
+    s1, sk = one.init_decode_state(), many.init_decode_state()
+    for slot in range(4):
+        pre = one.prefill(p1, prompts[slot])
+        s1 = one.insert(pre, s1, slot, ordinal=slot, sample=1)
+        sk = many.insert(many.prefill(pk, prompts[slot]), sk, slot, ordinal=slot, sample=1)
+    toks, lps = [], []
+    for _ in range(6):
+        s1, t, l = one.generate(p1, s1)
+        toks.append(t)
+        lps.append(l)
+    got_t, got_l = [], []
+    for _ in range(2):
+        sk, t, l = many.generate_steps(pk, sk)
+        assert t.shape == (3, 4)
+        got_t.append(t)
+        got_l.append(l)
+    np.testing.assert_array_equal(np.concatenate(got_t), np.stack(toks))
+    np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)

@@ -62,3 +62,18 @@ def test_snapshot_stores_tokens_as_ragged_arrays():
     assert snap.arrays["sample_lens"].tolist() == [3, 0]
     assert '"tokens"' not in snap.to_json() and "[1, 2, 3]" not in snap.to_json()  # arrays, not JSON lists
     assert snap.summary() == {"ready": 0, "generating": 1, "pending": 0, "kept_tokens": 3}
+
+
+def test_capture_is_the_cut_even_if_samples_grow_before_build():
+    led = Ledger(2)
+    g = led.add(_rec(2), target_step=1)
+    g.samples[0].tokens, g.samples[0].logprobs, g.samples[0].versions = [7, 8], [-.1, -.2], [0, 0]
+    cut = led.capture()
+    # the pump keeps going after the cut: more tokens, a finished sample, a new group
+    g.samples[0].tokens.append(9), g.samples[0].logprobs.append(-.3), g.samples[0].versions.append(1)
+    g.samples[0].done, g.samples[0].reward = True, 1.0
+    led.add(_rec(3), target_step=1)
+    back = Ledger.from_snapshot(cut.build())
+    assert list(back.groups) == [0] and back.next_ordinal == 1
+    s = back.groups[0].samples[0]
+    assert s.tokens == [7, 8] and s.versions == [0, 0] and not s.done and s.reward is None

@@ -26,7 +26,8 @@ def test_every_prompt_trained_exactly_once(tmp_path, lookahead):
 
 
 def test_remainder_step_trains_the_rest(tmp_path):
-    res = train(cfg(tmp_path, "data.num_records=26", "rollout.prompts_per_step=4", "data.shuffle=false"))
+    res = train(cfg(tmp_path, "data.num_records=26", "rollout.prompts_per_step=4", "data.shuffle=false",
+                    "engine.steps_per_call=3"))
     steps = steps_of(tmp_path)
     assert res.step == 7 and len(steps) == 7
     assert steps[7] == [24, 25]
