@@ -1,0 +1,362 @@
+"""Asynchronous pipelining: steady-state learner steps/s vs how far generation may run ahead.
+
+Owns: the scenarios, one training subprocess per (scenario, sampler, lookahead or
+staleness) row, the steady-state arithmetic and the printed tables. Does not own: any
+trainer logic. Each row is `python -m async_rl train` with the printed overrides, started
+through this script's `--child` mode, which only observes: it records when each learner
+step is dispatched and when its outputs are ready (a watcher thread blocks on them), so
+the learner device's busy time can be measured; it changes nothing in the run.
+
+Per row, over the steps after --warmup (compile and the first batches excluded) up to
+the last step of the run:
+  steps/s       (last - first) / (elapsed at last - elapsed at first); elapsed is the
+                running sum of perf/step_time_s (the learner loop's perf_counter clock)
+  idle_frac     the trainer's own perf/learner_idle_frac (per step: the gap between a
+                step's completion and the next dispatch, over the dispatch interval),
+                averaged over the window; a cross-check of the column before.
+  learner idle  device idleness: 1 - (time the learner device spends on steps) / wall, where
+                step t occupies [max(dispatch t, ready t-1), ready t] (from the child's
+                watcher). This is the column the 'learner idle' target is judged on.
+  step ms       mean of those per-step busy intervals (learner compute in the pipeline)
+  pump idle     perf/pump_idle_frac over the window (no slot in use and nothing allowed to
+                start; time blocked inside an engine call counts as busy)
+  staleness     rollout/staleness_mean averaged, rollout/staleness_max maxed over the window
+  regen/1k      regenerated tokens per 1k trained tokens over the window (from the cumulative
+                perf/regen_tokens_per_1k and the per-step trained token counts; '-' when
+                the run logs no such metric)
+
+Scenarios (the exact command of every run is printed):
+  balanced   the tiny preset with 32 engine slots (8 decode waves per step) on 2 forced
+             CPU devices, engine on one and learner on the other (mesh.engine_devices=1):
+             generating a step costs about as much as training one, so overlapping them is
+             where speed comes from. Target: lookahead 1 >= 1.3x lookahead 0.
+  keeps_up   a 2x wider, 2x deeper model than tiny with all 256 samples of a step decoded at
+             once (256 slots, one wave): generation takes a small share of a learner step.
+             Target: learner idle <= 10% at lookahead >= 1.
+
+    python bench/async.py                                   # both scenarios, in_order 0,1,2
+    python bench/async.py --scenarios balanced --steps 60 --repeats 3
+    python bench/async.py --samplers in_order,fifo --staleness 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+SCENARIOS = {
+    "balanced": {
+        "devices": 2,
+        "overrides": ["mesh.engine_devices=1", "engine.max_concurrent_decodes=32"],
+        "about": "tiny preset, 32 engine slots; engine on 1 forced CPU device, learner on the other",
+        "target": ("ratio", 1, 1.3),  # in_order lookahead 1 vs 0: steps/s ratio >= 1.3
+    },
+    "keeps_up": {
+        "devices": 2,
+        "overrides": ["mesh.engine_devices=1", "model.d_model=128", "model.n_layers=4", "model.d_ff=512",
+                      "engine.max_concurrent_decodes=256"],
+        "about": "model 2x wider and 2x deeper than tiny (d 128, 4 layers, ff 512), 256 engine slots; "
+                 "engine on 1 forced CPU device, learner on the other",
+        "target": ("learner_idle", 1, 0.10),  # learner device idle <= 10% at lookahead >= 1
+    },
+}
+# Row knob per sampler: in_order bounds run-ahead in steps, the others staleness in versions.
+KNOB = {"in_order": "sampler.max_lookahead", "fifo": "sampler.max_staleness", "windowed": "sampler.max_staleness"}
+REGEN_KEY = "perf/regen_tokens_per_1k"  # cumulative: 1000 * regenerated / trained tokens since start
+TRAINED_KEY = "rollout/completion_tokens"  # tokens trained in the step (0 or absent: all filtered)
+TRACE = "bench_learner_trace.jsonl"
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--config", default="configs/tiny.yaml", help="preset every scenario starts from")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    ap.add_argument("--samplers", default="in_order", help="comma list of in_order, fifo, windowed")
+    ap.add_argument("--lookaheads", default="0,1,2", help="in_order: sampler.max_lookahead values")
+    ap.add_argument("--staleness", default="1,2", help="fifo/windowed: sampler.max_staleness values")
+    ap.add_argument("--steps", type=int, default=30, help="learner steps per run (train.max_steps)")
+    ap.add_argument("--warmup", type=int, default=6,
+                    help="steps excluded from the steady-state window (compile, first batches)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs per row, interleaved across rows; the table shows their mean (and the steps/s range)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra override for every run (repeatable), e.g. --set rollout.max_new_tokens=16")
+    ap.add_argument("--cache", default="",
+                    help="persistent compilation cache shared by the runs (default: a fresh temp dir, so only the "
+                         "first run of a shape compiles cold; compile is outside the window either way)")
+    ap.add_argument("--keep", default="", help="keep run directories under this path (default: temp, deleted)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run before it is killed")
+    ap.add_argument("--verbose", action="store_true", help="echo each run's stderr")
+    return ap.parse_args()
+
+
+# ---- child: one observed training run --------------------------------------------------
+
+
+def child(argv: list[str]) -> int:
+    """`--child TRACE -- <async-rl CLI args>`: runs the CLI in this
+    process with a watcher on learner steps; writes one line per step to TRACE."""
+    sep = argv.index("--")
+    opts, cli_args = argv[:sep], argv[sep + 1:]
+    trace_path = Path(opts[0])
+    import jax
+    from async_rl import cli, learner, pump
+
+    todo: queue.Queue = queue.Queue()
+    trace: list[tuple[int, float, float]] = []
+
+    def watch():
+        # Blocks (outside the GIL) until each step's metrics exist: that is when the jitted
+        # step finished on the learner's devices. Steps run in dispatch order.
+        while (item := todo.get()) is not None:
+            i, t_disp, metrics = item
+            jax.block_until_ready(metrics)
+            trace.append((i, t_disp, time.perf_counter()))
+
+    watcher = threading.Thread(target=watch, name="bench-watch", daemon=True)
+    watcher.start()
+    orig_step = learner.Learner.step
+    count = [0]
+
+    def step(self, *a, **k):
+        out = orig_step(self, *a, **k)
+        count[0] += 1
+        todo.put((count[0], time.perf_counter(), out[1]))
+        return out
+
+    learner.Learner.step = step
+
+    rc = cli.main(cli_args)
+    todo.put(None)
+    watcher.join(60)
+    trace_path.write_text("".join(json.dumps({"step": i, "dispatch": d, "ready": r}) + "\n" for i, d, r in trace))
+    return rc
+
+
+# ---- parent ----------------------------------------------------------------------------
+
+
+_CEILING = """
+import threading, time, jax, jax.numpy as jnp
+d0, d1 = jax.devices()[:2]
+f = jax.jit(lambda x: jnp.tanh(x @ x) @ x)
+xs = [jax.device_put(jnp.ones((384, 384)), d) for d in (d0, d1)]
+loop = lambda x: [f(x).block_until_ready() for _ in range(150)]
+[loop(x) for x in xs]
+t = time.perf_counter(); [loop(x) for x in xs]; serial = time.perf_counter() - t
+t = time.perf_counter(); th = [threading.Thread(target=loop, args=(x,)) for x in xs]
+[a.start() for a in th]; [a.join() for a in th]
+print(serial / (time.perf_counter() - t))
+"""
+
+
+def parallel_ceiling() -> float | None:
+    """How much two forced CPU devices overlap pure compute on this machine."""
+    env = common.forced_devices_env(2)
+    r = subprocess.run([sys.executable, "-c", _CEILING], capture_output=True, text=True, env=env, timeout=300)
+    try:
+        return float(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def row_overrides(sampler: str, knob: int) -> list[str]:
+    return [f"sampler.name={sampler}", f"{KNOB[sampler]}={knob}"]
+
+
+def device_busy(trace: list[dict], lo: int, hi: int) -> tuple[float | None, float | None]:
+    """(busy share of [ready lo, ready hi], mean busy seconds per step) of the learner device."""
+    by = {r["step"]: r for r in trace}
+    if lo not in by or hi not in by:
+        return None, None
+    busy = [by[t]["ready"] - max(by[t]["dispatch"], by[t - 1]["ready"]) for t in range(lo + 1, hi + 1)]
+    wall = by[hi]["ready"] - by[lo]["ready"]
+    return (sum(busy) / wall if wall > 0 else None), statistics.fmean(busy)
+
+
+def regen_per_1k(rows: list[dict], lo: int, hi: int) -> float | None:
+    """Regenerated tokens per 1k trained tokens over steps (lo, hi]. The trainer logs the
+    ratio cumulative since start; with the trained tokens summed per step, the
+    regenerated count at each step follows, and so does the ratio for the window."""
+    if not any(r.get(REGEN_KEY) is not None for r in rows):
+        return None
+    trained, acc = {}, 0.0
+    for r in rows:
+        acc += r.get(TRAINED_KEY) or 0.0
+        trained[r["step"]] = acc
+    by = {r["step"]: r for r in rows}
+    regen = lambda s: (by[s].get(REGEN_KEY) or 0.0) * max(trained[s], 1) / 1000.0
+    dt = trained[hi] - trained[lo]
+    return 1000.0 * (regen(hi) - regen(lo)) / dt if dt > 0 else None
+
+
+def analyse(rows: list[dict], trace: list[dict], warmup: int) -> dict:
+    rows = common.with_elapsed(rows)
+    last = rows[-1]["step"]
+    lo = min(warmup, last - 2)  # keep at least two steps in the window on very short runs
+    win = [r for r in rows if lo < r["step"] <= last]
+    by = {r["step"]: r for r in rows}
+    span = by[last]["_elapsed"] - by[lo]["_elapsed"]
+    busy, step_s = device_busy(trace, max(lo, 1), last)
+    out = {"steps": last, "window": (lo, last), "steps_per_s": (last - lo) / span if span > 0 else None,
+           "learner_wait": common.interval_fraction(rows, "perf/learner_idle_frac", lo, last),
+           "learner_idle": None if busy is None else max(0.0, 1.0 - busy), "step_s": step_s,
+           "pump_idle": common.interval_fraction(rows, "perf/pump_idle_frac", lo, last),
+           "first_step_s": rows[0]["perf/step_time_s"]}
+    st_mean = [r["rollout/staleness_mean"] for r in win if r.get("rollout/staleness_mean") is not None]
+    st_max = [r["rollout/staleness_max"] for r in win if r.get("rollout/staleness_max") is not None]
+    out["stale_mean"] = statistics.fmean(st_mean) if st_mean else None
+    out["stale_max"] = max(st_max) if st_max else None
+    out["regen_per_1k"] = regen_per_1k(rows, lo, last)
+    out["reward_last"] = win[-1].get("rollout/reward_mean")
+    return out
+
+
+def mean_run(runs: list[dict]) -> dict:
+    """Field-wise mean of repeated runs of one row (max for maxima)."""
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+        if isinstance(v, (int, float)) and len(vals) == len(runs):
+            out[k] = max(vals) if k == "stale_max" else statistics.fmean(vals)
+    return out
+
+
+def run_row(args, scen: dict, sampler: str, knob: int, run_dir: Path, cache: str) -> tuple[dict | None, str, str]:
+    overrides = [f"run.dir={run_dir}", "run.resume=never", f"run.compilation_cache={cache}",
+                 f"train.max_steps={args.steps}", "checkpoint.every_steps=0", *common.QUIET,
+                 *scen["overrides"], *row_overrides(sampler, knob), *args.set]
+    cli_argv = common.train_argv(args.config, overrides)[1:]  # -m async_rl train ...
+    trace = run_dir / TRACE
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, os.path.abspath(__file__), "--child", str(trace),
+            "--", *cli_argv[2:]]
+    env = common.forced_devices_env(scen["devices"])
+    cmd = (f"XLA_FLAGS={env['XLA_FLAGS']} " if env["XLA_FLAGS"] else "") + " ".join(["python", *cli_argv])
+    res = common.run_child(argv, env, timeout=args.timeout, echo=args.verbose)
+    rows = common.read_jsonl(run_dir / "metrics.jsonl")
+    if res.rc != 0 or len(rows) < 3:
+        why = next((l for _, l in reversed(res.lines) if "Error" in l or l.startswith("error")), "") or res.tail(3)
+        return None, cmd, f"rc={res.rc}: {why.strip()[:200]}"
+    m = analyse(rows, common.read_jsonl(trace), args.warmup)
+    m["wall_s"] = res.wall_s
+    return m, cmd, ""
+
+
+def main():
+    args = parse_args()
+    t_all = time.perf_counter()
+    load0 = os.getloadavg()
+    scen_names = [s for s in args.scenarios.split(",") if s]
+    samplers = [s for s in args.samplers.split(",") if s]
+    for s in scen_names:
+        if s not in SCENARIOS:
+            sys.exit(f"--scenarios: unknown {s!r} (known: {', '.join(SCENARIOS)})")
+    for s in samplers:
+        if s not in KNOB:
+            sys.exit(f"--samplers: unknown {s!r} (known: {', '.join(KNOB)})")
+    if args.steps <= args.warmup + 2:
+        sys.exit(f"--steps={args.steps}: must exceed --warmup + 2 ({args.warmup + 2})")
+    knobs = {s: [int(x) for x in (args.lookaheads if s == "in_order" else args.staleness).split(",") if x]
+             for s in samplers}
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_async_"))
+    root.mkdir(parents=True, exist_ok=True)
+    cache = args.cache or str(root / "xla_cache")
+
+    print(f"bench/async.py: {os.cpu_count()} host CPUs, load average {load0[0]:.1f} at start; preset "
+          f"{args.config}; {args.steps} steps per run, steady-state window = steps ({args.warmup}, last]; "
+          f"{args.repeats} run(s) per row"
+          + (f"; extra overrides {args.set}" if args.set else ""))
+    ceiling = parallel_ceiling()
+    print(f"device-parallel ceiling on this machine: the same jitted matmul loop on 2 forced CPU devices from 2 "
+          f"threads runs {common.fmt(ceiling, '.2f')}x faster than one device after the other (what disjoint "
+          "engine/learner devices can overlap at most here)")
+    verdicts = []
+    for sname in scen_names:
+        scen = SCENARIOS[sname]
+        print(f"\n== {sname}: {scen['about']}", flush=True)
+        cells = [(sampler, knob) for sampler in samplers for knob in knobs[sampler]]
+        runs: dict = {c: [] for c in cells}
+        notes: dict = {}
+        cmds: dict = {}
+        for rep in range(args.repeats):  # interleaved, so slow drift in machine load hits every row alike
+            for sampler, knob in cells:
+                if (sampler, knob) in notes:
+                    continue
+                m, cmd, note = run_row(args, scen, sampler, knob, root / f"{sname}_{sampler}_{knob}_{rep}", cache)
+                cmds[(sampler, knob)] = cmd
+                if rep == 0:
+                    print(f"  $ {cmd}", flush=True)
+                if m is None:
+                    notes[(sampler, knob)] = note
+                    print(f"    failed: {note}", flush=True)
+                    continue
+                runs[(sampler, knob)].append(m)
+                print(f"    run {rep + 1}: wall {m['wall_s']:.0f} s, first step {m['first_step_s']:.1f} s, "
+                      f"window steps {m['window'][0] + 1}..{m['window'][1]}: {m['steps_per_s']:.2f} steps/s",
+                      flush=True)
+        results = []
+        for c in cells:
+            rs = sorted(runs[c], key=lambda r: r["steps_per_s"])
+            results.append((*c, mean_run(rs) if rs else None, rs))
+        base = next((m for s, k, m, _ in results if s == "in_order" and k == 0 and m), None)
+        table = []
+        for sampler, knob, m, rs in results:
+            label = f"L={knob}" if sampler == "in_order" else f"S={knob}"
+            if m is None:
+                table.append([sampler, label, "failed"] + ["-"] * 10)
+                continue
+            ratio = m["steps_per_s"] / base["steps_per_s"] if base and base["steps_per_s"] else None
+            spread = (f"{rs[0]['steps_per_s']:.2f}-{rs[-1]['steps_per_s']:.2f}" if len(rs) > 1 else "")
+            table.append([sampler, label, common.fmt(m["steps_per_s"], ".2f"), spread,
+                          (common.fmt(ratio, ".2f") + "x") if ratio else "-",
+                          common.fmt(m["learner_idle"], ".1%"), common.fmt(m["learner_wait"], ".1%"),
+                          common.fmt(None if m["step_s"] is None else m["step_s"] * 1e3, ".0f"),
+                          common.fmt(m["pump_idle"], ".1%"), common.fmt(m["stale_mean"], ".2f"),
+                          common.fmt(m["stale_max"], ".0f"), common.fmt(m["regen_per_1k"], ".1f"),
+                          common.fmt(m["reward_last"], ".2f")])
+        print()
+        common.print_table(["sampler", "lookahead/staleness", "steps/s", "range", "vs in_order L0", "learner idle",
+                            "idle_frac", "step ms", "pump idle", "stale mean", "stale max", "regen/1k",
+                            "reward"], table, align="<<>>>>>>>>>>>")
+        kind, knob, thr = scen["target"]
+        row = next((m for s, k, m, _ in results if s == "in_order" and k == knob and m), None)
+        if kind == "ratio":
+            val = row["steps_per_s"] / base["steps_per_s"] if row and base else None
+            ok = val is not None and val >= thr
+            verdicts.append(f"{sname}: in_order L={knob} vs L=0 = {common.fmt(val, '.2f')}x; target >= {thr}x: "
+                            f"{'met' if ok else 'NOT met'}")
+        else:
+            rows_k = [(k, m) for s, k, m, _ in results if s == "in_order" and k >= knob and m]
+            vals = ", ".join(f"L={k} {common.fmt(m['learner_idle'], '.1%')}" for k, m in rows_k)
+            ok = bool(rows_k) and all(m["learner_idle"] is not None and m["learner_idle"] <= thr for _, m in rows_k)
+            verdicts.append(f"{sname}: steady-state learner idle {vals}; target <= {thr:.0%}: "
+                            f"{'met' if ok else 'NOT met'}")
+    print()
+    for v in verdicts:
+        print(v)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"total wall {time.perf_counter() - t_all:.0f} s; load average {os.getloadavg()[0]:.1f} at end "
+          f"(other processes on these {os.cpu_count()} CPUs slow every row)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.exit(child(sys.argv[2:]))
+    main()
