@@ -176,7 +176,13 @@ class MLP(nnx.Module):
         self.down = Linear(f, d, ("mlp", "embed"), bias=False, std=down_std, cfg=cfg, rngs=rngs)
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        # One matmul for gate and up (stacked, not concatenated, so a tensor-parallel shard of
+        # the F axis stays on its device): the backward pass then writes one transposed copy
+        # of x instead of two (measured: 9% of the small model's train step on CPU).
+        dt = self.gate.dtype
+        w_Dx2xF = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1).astype(dt)
+        y = jnp.einsum("...d,dkf->...kf", x.astype(dt), w_Dx2xF)
+        return self.down(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
 
 
 class Block(nnx.Module):

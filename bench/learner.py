@@ -1,0 +1,269 @@
+"""Learner MFU: model FLOP utilisation of the jitted GRPO train step vs. a measured matmul peak.
+
+Owns: a synthetic batch, timing, the FLOP count and the printed table. Does not own: any
+model, loss or optimizer logic (it drives the real `Learner`).
+
+What is timed: `Learner.step(state, batch)` (forward, GRPO loss, backward, grad-norm clip,
+AdamW update, metrics) on a fixed synthetic batch, blocking on every step's result, after
+a compile step and warm-up steps. The batch goes through `build_batch` from ledger
+`Group`s, as in training, so shapes, dtypes and shardings are the trainer's.
+
+What the FLOPs count (model FLOPs, not hardware FLOPs; recomputation or wasted work
+counts for nothing):
+  matmuls   6 * N_trunk * B*T  +  6 * d * V * B*N
+            N_trunk = non-embedding parameters of the blocks (q, k, v, o, gate, up, down;
+            norm scales are noise); every one of the T = P + N columns must run forward
+            and backward through the trunk, because prompt keys/values feed the completion.
+            The output projection (d x V) is only needed at the N columns whose logits enter
+            the loss. The input embedding is a gather: 0 FLOPs.
+  attention 12 * L * H * hd * T per token (QK^T and PV, forward 4, backward 8, over the
+            full T x T square; a causal kernel would need half).
+The reference-model forward (KL penalty) is not counted and not run unless --kl-coef > 0;
+then 2 * (N_trunk * B*T + d*V*B*N) + 4*L*H*hd*T*B*T are added for it.
+
+The peak is the fastest square fp32 (or --dtype) `jnp.dot` of a few sizes (up to
+--peak-n) on the same devices in the same process, timed after warm-up (best of several),
+sharded by rows over the learner mesh so every device works. It is measured before and
+after the steps and the better is used, so a burst of load from other processes during
+one of the two does not inflate the MFU.
+
+    python bench/learner.py                   # small preset, fp32, 4 prompts x 4 samples x 96 columns
+    python bench/learner.py --prompts 2 --samples 8 --prompt-len 64 --new-tokens 128   # preset row width
+    python bench/learner.py --devices 2 --data 2   # 2 forced CPU devices, data parallel
+    python bench/learner.py --kl-coef 0.05         # with the reference-model forward
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/small.yaml", help="preset whose model section is used")
+    ap.add_argument("--vocab", type=int, default=512, help="vocabulary size (the preset leaves it to the tokenizer)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute and parameter dtype; the peak dot uses the same one (float32 by default, "
+                         "where the preset says bfloat16, so CPUs without bf16 units are not penalised)")
+    ap.add_argument("--prompts", type=int, default=4, help="groups per step (rollout.prompts_per_step)")
+    ap.add_argument("--samples", type=int, default=4, help="completions per group (rollout.samples_per_prompt)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt width P (engine.max_prompt_len)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="completion width N (rollout.max_new_tokens)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the compile step")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="learner.kl_coef; > 0 runs the reference forward")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="forced CPU device count (XLA_FLAGS); ignored on accelerators")
+    ap.add_argument("--data", type=int, default=-1, help="mesh.data (-1 = devices left over)")
+    ap.add_argument("--fsdp", type=int, default=1, help="mesh.fsdp")
+    ap.add_argument("--tensor", type=int, default=1, help="mesh.tensor")
+    ap.add_argument("--peak-n", type=int, default=4096,
+                    help="largest side of the square matmuls that set the peak (n/4 and n/2 are tried too)")
+    ap.add_argument("--target", type=float, default=0.30, help="MFU target printed with the result")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args()
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.devices > 1:
+    # Must be set before jax initialises its backends.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from async_rl import config as cfg_lib  # noqa: E402
+from async_rl import sharding  # noqa: E402
+from async_rl.ledger import Group, Sample  # noqa: E402
+from async_rl.learner import Learner, build_batch  # noqa: E402
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def block(x):
+    return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def synthetic_groups(n_groups: int, samples: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
+    """Full-width prompts and completions: every column is a real token, none is padding,
+    so the FLOPs counted are all useful work (padding would be computed but not counted)."""
+    rs = np.random.RandomState(seed)
+    groups = []
+    for g in range(n_groups):
+        ss = []
+        for _ in range(samples):
+            toks = rs.randint(0, vocab, new_tokens).tolist()
+            # Plausible behaviour logprobs near a uniform policy's, so importance weights
+            # and clipping take both branches as in training.
+            lp = (np.log(1.0 / vocab) + 0.05 * rs.randn(new_tokens)).tolist()
+            ss.append(Sample(tokens=toks, logprobs=lp, versions=[0] * new_tokens, done=True,
+                             reward=float(rs.rand() < 0.5)))
+        groups.append(Group(ordinal=g, prompt_id=g, epoch=0, prompt="", answer="",
+                            prompt_tokens=rs.randint(0, vocab, prompt_len).astype(np.int32), samples=ss))
+    return groups
+
+
+def param_counts(params) -> dict[str, int]:
+    """Parameters by role, from the tree paths (embedding, output head, trunk)."""
+    out = {"embed": 0, "head": 0, "trunk": 0, "other": 0}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = jax.tree_util.keystr(path)
+        if "'embed'" in name or "'pos_embed'" in name:
+            out["embed"] += leaf.size
+        elif "'lm_head'" in name:
+            out["head"] += leaf.size
+        elif "'layers'" in name:
+            out["trunk"] += leaf.size
+        else:
+            out["other"] += leaf.size  # final norm
+    return out
+
+
+def model_flops(mc, vocab: int, n_trunk: int, B: int, T: int, N: int, with_ref: bool) -> dict[str, float]:
+    L, H, hd, d = mc.n_layers, mc.n_heads, mc.resolved_head_dim, mc.d_model
+    out = {
+        "trunk": 6.0 * n_trunk * B * T,
+        "head": 6.0 * d * vocab * B * N,  # tied or untied, the projection costs the same
+        "attention": 12.0 * L * H * hd * T * B * T,
+    }
+    if with_ref:
+        out["ref forward"] = 2.0 * (n_trunk * B * T + d * vocab * B * N) + 4.0 * L * H * hd * T * B * T
+    return out
+
+
+def matmul_peak(mesh, sizes, dtype, reps: int = 5) -> tuple[float, int]:
+    """(FLOP/s, n) of the fastest square dot over `sizes`, best of `reps` each.
+
+    Several sizes because the fastest one depends on caches and threading (on 2 CPU
+    cores 1024^3 beat 4096^3 by ~10%); taking the best keeps the MFU conservative."""
+    return max(_dot_flops(mesh, n, dtype, reps) for n in sizes)
+
+
+def _dot_flops(mesh, n: int, dtype, reps: int) -> tuple[float, int]:
+    """Rows sharded over the mesh so every device works."""
+    rows = NamedSharding(mesh, P(mesh.axis_names))
+    rep = NamedSharding(mesh, P())
+    n_dev = mesh.devices.size
+    n = (n // n_dev) * n_dev
+    a = jax.device_put(np.random.RandomState(1).randn(n, n).astype(np.float32), rows).astype(dtype)
+    b = jax.device_put(np.random.RandomState(2).randn(n, n).astype(np.float32), rep).astype(dtype)
+    f = jax.jit(jnp.dot, out_shardings=rows)
+    f(a, b).block_until_ready()  # compile + warm
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best, n
+
+
+def main(args):
+    overrides = [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}",
+                 f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
+                 f"engine.max_prompt_len={args.prompt_len}", f"rollout.max_new_tokens={args.new_tokens}",
+                 f"learner.kl_coef={args.kl_coef}", f"mesh.data={args.data}", f"mesh.fsdp={args.fsdp}",
+                 f"mesh.tensor={args.tensor}", f"run.seed={args.seed}",
+                 "train.max_steps=1000"]  # a horizon for the preset's cosine schedule; no effect on cost
+    cfg = cfg_lib.load(args.config, overrides)
+    mc = cfg.model
+    mesh = sharding.make_devices(cfg.mesh).learner
+    P_, N_ = args.prompt_len, args.new_tokens
+    B, T = args.prompts * args.samples, P_ + N_
+
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    learner = Learner(cfg, args.vocab, mesh)
+    params = learner.init_params()
+    ref = learner.publishable(params) if learner.use_ref else None
+    state = block(learner.init_state(params))
+    counts = param_counts(state["params"])
+    groups = synthetic_groups(args.prompts, args.samples, P_, N_, args.vocab, args.seed)
+    batch = build_batch(groups, groups_per_step=args.prompts, samples=args.samples, prompt_len=P_,
+                        max_new=N_, pad_id=0)
+    init_s = time.perf_counter() - t0
+
+    sizes = sorted({max(args.peak_n // 4, 256), max(args.peak_n // 2, 256), args.peak_n})
+    peak_before, n_before = matmul_peak(mesh, sizes, jnp.dtype(args.dtype))
+
+    t0 = time.perf_counter()
+    state, metrics = block(learner.step(state, batch, ref))
+    compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        state, metrics = block(learner.step(state, batch, ref))
+    times = []
+    c0 = cpu_seconds()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, metrics = block(learner.step(state, batch, ref))
+        times.append(time.perf_counter() - t0)
+    # CPU time per step vs. cores x wall time: well below 1 means other processes took
+    # the cores (the timings are then pessimistic), or the step leaves cores idle.
+    busy = (cpu_seconds() - c0) / (sum(times) * (os.cpu_count() or 1))
+    loss = float(metrics["learner/loss"])
+    if not np.isfinite(loss):
+        sys.exit(f"non-finite loss {loss}: the timed steps did not compute a real step")
+
+    peak_after, n_after = matmul_peak(mesh, sizes, jnp.dtype(args.dtype))
+    peak, peak_n = max((peak_before, n_before), (peak_after, n_after))
+    load_after = os.getloadavg()[0]
+
+    fl = model_flops(mc, args.vocab, counts["trunk"], B, T, N_, learner.use_ref)
+    total = sum(fl.values())
+    med, best = float(np.median(times)), min(times)
+
+    dev = mesh.devices.flat[0]
+    print(f"model: {args.config} model section, {sum(counts.values()) / 1e6:.1f}M params "
+          f"(trunk {counts['trunk'] / 1e6:.2f}M, embed {counts['embed'] / 1e6:.2f}M, "
+          f"head {counts['head'] / 1e6:.2f}M), vocab {args.vocab}, {mc.n_layers} layers d={mc.d_model} "
+          f"H={mc.n_heads} Hkv={mc.n_kv_heads} hd={mc.resolved_head_dim} F={mc.d_ff}, "
+          f"tie_embeddings={mc.tie_embeddings}")
+    preset_dtype = cfg_lib.load(args.config).model.dtype
+    print(f"compute: {args.dtype} params and activations (preset: {preset_dtype}) on {jax.default_backend()} "
+          f"({dev.device_kind}), mesh {dict(mesh.shape)}, {os.cpu_count()} host CPUs")
+    print(f"batch: {args.prompts} prompts x {args.samples} samples = B {B} rows, "
+          f"T = P {P_} + N {N_} = {T} columns, {B * T} tokens/step ({B * N_} completion tokens), "
+          f"no padding")
+    print(f"flops/step = 6*N_trunk*B*T + 6*d*V*B*N + 12*L*H*hd*T*B*T"
+          + (" + ref forward" if learner.use_ref else "")
+          + f" = {' + '.join(f'{v / 1e9:.1f}' for v in fl.values())} = {total / 1e9:.1f} GFLOP "
+          f"(fwd+bwd; reference-model forward {'included' if learner.use_ref else 'not run (kl_coef=0)'})")
+    print(f"timing: init {init_s:.1f} s, compile+first step {compile_s:.1f} s, {args.warmup} warm-up, "
+          f"{args.steps} timed steps blocking on each; peak = fastest of 5 square dots each of "
+          f"n = {', '.join(map(str, sizes))}, before ({peak_before / 1e9:.1f}) and after "
+          f"({peak_after / 1e9:.1f} GFLOP/s), best at n = {peak_n}; "
+          f"host 1-min load average {load_before:.1f} -> {load_after:.1f}, this process kept "
+          f"{busy:.0%} of the {os.cpu_count()} CPUs busy during the timed steps")
+    w = (30, 12, 12, 14, 10)
+    head = ("", "step time", "tokens/s", "GFLOP/s", "MFU")
+    line = "+".join("-" * (x + 2) for x in w)
+    rows = [
+        ("train step, median", f"{med * 1e3:,.0f} ms", f"{B * T / med:,.0f}", f"{total / med / 1e9:,.1f}",
+         f"{total / med / peak:.1%}"),
+        ("train step, best", f"{best * 1e3:,.0f} ms", f"{B * T / best:,.0f}", f"{total / best / 1e9:,.1f}",
+         f"{total / best / peak:.1%}"),
+        (f"matmul peak ({args.dtype} dot)", "", "", f"{peak / 1e9:,.1f}", "100%"),
+    ]
+    print(line)
+    print("|".join(f" {h:<{x}} " for h, x in zip(head, w)))
+    print(line)
+    for r in rows:
+        print("|".join(f" {c:<{x}} " for c, x in zip(r, w)))
+    print(line)
+    mfu = total / med / peak
+    print(f"MFU (median step) {mfu:.1%}   target >= {args.target:.0%}: "
+          f"{'met' if mfu >= args.target else 'NOT met'}   (loss {loss:.4f})")
+
+
+if __name__ == "__main__":
+    main(ARGS)
