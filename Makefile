@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/learner.py
 	$(BIN)/python bench/async.py
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/load.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,7 +1,7 @@
 """One atomic Orbax step per checkpoint: train state, Grain iterator, ledger and meta.
 
 Owns: the CheckpointManager (async writes, keep-N, temporary directory + commit), the
-ledger's on-disk form (a small Orbax handler writing ragged `.npy` arrays and a JSON
+ledger's on-disk form (a small Orbax handler writing its ragged arrays into one file and a JSON
 header per process), the iterator-state item (a frozen copy taken at the cut, written
 by Grain's own handler), choosing the step to resume from (falling back past a damaged
 step, which is moved aside with a warning), and refusing a resume whose config changes
@@ -38,21 +38,28 @@ def _process_prefix() -> str:
 
 
 class LedgerHandler(ocp.AsyncCheckpointHandler):
-    """Writes each process's ledger shard as `<prefix>.json` + one `.npy` per ragged array.
+    """Writes each process's ledger shard as `<prefix>.bin` (every ragged array back to back)
+    and `<prefix>.json` (the header and where each array lies in the .bin).
 
-    Asynchronous: the arrays are built from the cut and written from Orbax's background
-    commit, so a save holds the learner only for the cut itself."""
+    One file of raw bytes costs what one np.save of them costs, and a file shorter than the
+    header says is caught on restore. Asynchronous: the arrays are built from the cut and
+    written from Orbax's background commit, so a save holds the learner only for the cut."""
 
     def _write(self, directory: epath.Path, args: "LedgerSave") -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         pre, snap = _process_prefix(), args.cut.build()
-        header = dict(snap.header, arrays=sorted(snap.arrays))
-        for i, (name, arr) in enumerate(snap.arrays.items()):
-            np.save(directory / f"{pre}.{name}.npy", arr, allow_pickle=False)
-            if i == 1:
-                faults.point("ckpt_write", args.step)
-        (directory / f"{pre}.json").write_text(json.dumps(header))
+        index, offset = {}, 0
+        with open(directory / f"{pre}.bin", "wb") as f:
+            for i, (name, arr) in enumerate(snap.arrays.items()):
+                arr = np.ascontiguousarray(arr)
+                index[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset}
+                arr.tofile(f)
+                offset += arr.nbytes
+                if i == 1:
+                    f.flush()
+                    faults.point("ckpt_write", args.step)
+        (directory / f"{pre}.json").write_text(json.dumps(dict(snap.header, arrays=index, bytes=offset)))
 
     async def async_save(self, directory: epath.Path, args: "LedgerSave"):
         async def write():
@@ -65,7 +72,14 @@ class LedgerHandler(ocp.AsyncCheckpointHandler):
     def restore(self, directory: epath.Path, args: "LedgerRestore" = None) -> LedgerSnapshot:
         directory, pre = Path(directory), _process_prefix()
         header = json.loads((directory / f"{pre}.json").read_text())
-        arrays = {n: np.load(directory / f"{pre}.{n}.npy", allow_pickle=False) for n in header.pop("arrays")}
+        index, size = header.pop("arrays"), header.pop("bytes")
+        raw = (directory / f"{pre}.bin").read_bytes()
+        if len(raw) != size:
+            raise ValueError(f"{directory / f'{pre}.bin'}: {len(raw)} bytes, the header says {size} (truncated?)")
+        arrays = {}
+        for name, a in index.items():
+            dt, shape = np.dtype(a["dtype"]), tuple(a["shape"])
+            arrays[name] = np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=a["offset"]).reshape(shape)
         return LedgerSnapshot(header=header, arrays=arrays)
 
     def metadata(self, directory: epath.Path) -> Any:

@@ -16,15 +16,13 @@ tables. Does not own: any checkpoint logic (it drives the real `Checkpointer`,
    Target: async blocking <= 10% of the synchronous save.
 
 2. Ledger (--ledger-groups, default 1k/10k/100k groups of --group-tokens generated tokens in
-   --samples samples, plus a --prompt-tokens prompt): `Ledger.snapshot()` (in memory; the
-   trainer takes it under the ledger lock, so the pump waits for it), the checkpoint's
-   `LedgerHandler` write and read of that snapshot, `Ledger.from_snapshot`, next to one
-   `np.save` / `np.load` of the same number of bytes. Also: how long an async
-   `Checkpointer.save` (tiny train state) blocks with that ledger in it, and the same with
-   the ledger written by an `AsyncCheckpointHandler` (a variant defined in this script,
-   writing the same files from Orbax's commit thread). Nothing is fsync'ed (neither the
-   handler nor np.save does): writes land in the page cache. Target: handler write within
-   2x of np.save, growing linearly.
+   --samples samples, plus a --prompt-tokens prompt): `Ledger.capture()` (the cut the
+   trainer takes under the ledger lock, so the pump waits for it), `Capture.build()` (the
+   arrays, built by the checkpoint's background writer), the `LedgerHandler` write and read
+   of them, `Ledger.from_snapshot`, next to one `np.save` / `np.load` of the same number of
+   bytes. Also: how long an async `Checkpointer.save` (tiny train state) blocks with that
+   ledger in it. Nothing is fsync'ed (neither the handler nor np.save does): writes land in
+   the page cache. Target: handler write within 2x of np.save, growing linearly.
 
 3. Resume (tiny preset; and the small preset's model on the tiny task): a short run
    writes a checkpoint at step K; then fresh processes resume it (each from its own copy)
@@ -117,61 +115,6 @@ class BusyThread:
         self._t.join()
 
 
-# ---- a ledger handler written from Orbax's commit thread (comparison row) ----------------
-
-
-def async_ledger_args():
-    """An AsyncCheckpointHandler that writes exactly LedgerHandler's files, but from the
-    commit future (Orbax's background thread) instead of inside save()."""
-    import asyncio
-    import dataclasses
-
-    import orbax.checkpoint as ocp
-    from orbax.checkpoint import future
-
-    from async_rl.checkpoint import LedgerHandler, LedgerSave
-
-    class AsyncLedgerHandler(ocp.AsyncCheckpointHandler):
-        def __init__(self):
-            self._sync = LedgerHandler()
-
-        async def async_save(self, directory, args):
-            snap, step = args.snapshot, args.step
-
-            async def write():
-                await asyncio.to_thread(self._sync.save, directory, LedgerSave(snap, step))
-
-            return [future.CommitFutureAwaitingContractedSignals(write(), name="ledger_save")]
-
-        def save(self, directory, args):
-            self._sync.save(directory, LedgerSave(args.snapshot, args.step))
-
-        def restore(self, directory, args=None):
-            return self._sync.restore(directory)
-
-        def metadata(self, directory):
-            return None
-
-        def finalize(self, directory):
-            pass
-
-        def close(self):
-            pass
-
-    @ocp.args.register_with_handler(AsyncLedgerHandler, for_save=True)
-    @dataclasses.dataclass
-    class AsyncLedgerSave(ocp.args.CheckpointArgs):
-        snapshot: object
-        step: int = -1
-
-    @ocp.args.register_with_handler(AsyncLedgerHandler, for_restore=True)
-    @dataclasses.dataclass
-    class AsyncLedgerRestore(ocp.args.CheckpointArgs):
-        pass
-
-    return AsyncLedgerSave
-
-
 # ---- part 1: how long save() blocks the learner ------------------------------------------
 
 
@@ -233,8 +176,8 @@ def part_save(args, scratch: Path) -> None:
                          cfg.rollout.max_new_tokens, cfg.engine.max_prompt_len // 2, generating_share=0.5)
     with ledger.lock:  # the trainer's cut: iterator state and ledger together
         it_state = it.get_state()
-        snap = ledger.snapshot()
-    ledger_bytes = sum(a.nbytes for a in snap.arrays.values())
+        snap = ledger.capture()
+    ledger_bytes = sum(a.nbytes for a in snap.build().arrays.values())
     meta = {"step": 0, "version": 0, "lineage_bytes": 0, "metrics_bytes": 0, "rollouts_bytes": 0,
             "data_stream": C.data_stream(cfg), "config": C.to_dict(cfg), "next_ordinal": ledger.next_ordinal,
             "exhausted": False, "seed": cfg.run.seed, "time": time.time()}
@@ -328,7 +271,6 @@ def part_ledger(args, scratch: Path) -> None:
     sizes = [int(x) for x in args.ledger_groups.split(",") if x]
     S = args.samples
     per_sample = args.group_tokens // S
-    AsyncLedgerSave = async_ledger_args()
     tiny_state = {"x": jnp.zeros((4,), jnp.float32)}
     rows, notes = [], []
     per_group = []
@@ -343,12 +285,14 @@ def part_ledger(args, scratch: Path) -> None:
             notes.append(f"{n} groups: out of memory while filling the ledger; skipped")
             continue
         fill_s = time.perf_counter() - t0
-        snaps, t_snap = None, []
+        t_cut, t_build, snap = [], [], None
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            snaps = ledger.snapshot()
-            t_snap.append(time.perf_counter() - t0)
-        snap = snaps
+            cut = ledger.capture()  # what the trainer holds the ledger lock for
+            t_cut.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            snap = cut.build()  # done by the checkpoint's background writer
+            t_build.append(time.perf_counter() - t0)
         nbytes = sum(a.nbytes for a in snap.arrays.values())
         header_bytes = len(json.dumps(dict(snap.header, arrays=sorted(snap.arrays))))
         total = nbytes + header_bytes
@@ -381,41 +325,31 @@ def part_ledger(args, scratch: Path) -> None:
             del led2
         ok = all(np.array_equal(back.arrays[k], snap.arrays[k], equal_nan=k == "reward") for k in snap.arrays)
         # The full checkpoint step, async manager: how long save() holds the caller with this ledger in it.
-        ck_block, ck_async_block = [], []
-        for variant in ("handler", "async"):
-            ck = Checkpointer(scratch / f"ck_{variant}_{n}", keep=1, async_save=True)
-            for i in range(1, 3):
-                if variant == "handler":
-                    ck.save(i, tiny_state, {"next_index": n}, snap, {"step": i})
-                    blocked = ck.last_blocking_s
-                else:  # same composite, ledger item written from the commit thread
-                    t0 = time.perf_counter()
-                    ck.mngr.save(i, args=ocp.args.Composite(
-                        state=ocp.args.StandardSave(tiny_state),
-                        data=__import__("grain").checkpoint.CheckpointSave(_It({"next_index": n})),
-                        ledger=AsyncLedgerSave(snap, i), meta=ocp.args.JsonSave({"step": i})), force=True)
-                    blocked = time.perf_counter() - t0
-                ck.wait()
-                if i > 1:  # the first save of a manager also creates its directories and handlers
-                    (ck_block if variant == "handler" else ck_async_block).append(blocked)
-            ck.close()
-            shutil.rmtree(scratch / f"ck_{variant}_{n}", ignore_errors=True)
+        ck_block = []
+        ck = Checkpointer(scratch / f"ck_{n}", keep=1, async_save=True)
+        for i in range(1, 3):
+            ck.save(i, tiny_state, {"next_index": n}, ledger.capture(), {"step": i})
+            ck.wait()
+            if i > 1:  # the first save of a manager also creates its directories and handlers
+                ck_block.append(ck.last_blocking_s)
+        ck.close()
+        shutil.rmtree(scratch / f"ck_{n}", ignore_errors=True)
         w, npw = med(t_write), med(t_np_w)
-        per_group.append((n, w / n * 1e6, med(t_snap) / n * 1e6, med(t_from) / n * 1e6))
-        rows.append([f"{n:,}", f"{total / 1e6:.1f}", f"{fill_s:.1f}", f"{med(t_snap):.3f}", f"{w:.3f}",
-                     f"{npw:.3f}", f"{w / npw:.2f}x", f"{med(t_read):.3f}", f"{med(t_np_r):.3f}",
-                     f"{med(t_from):.3f}", f"{med(ck_block):.3f}", f"{med(ck_async_block):.3f}",
-                     "yes" if ok else "NO"])
-        del ledger, snap, snaps, back
+        per_group.append((n, w / n * 1e6, med(t_cut) / n * 1e6, med(t_build) / n * 1e6, med(t_from) / n * 1e6))
+        rows.append([f"{n:,}", f"{total / 1e6:.1f}", f"{fill_s:.1f}", f"{med(t_cut):.3f}", f"{med(t_build):.3f}",
+                     f"{w:.3f}", f"{npw:.3f}", f"{w / npw:.2f}x", f"{med(t_read):.3f}", f"{med(t_np_r):.3f}",
+                     f"{med(t_from):.3f}", f"{med(ck_block):.3f}", "yes" if ok else "NO"])
+        del ledger, snap, cut, back
         gc.collect()
-    common.print_table(["groups", "MB", "fill s", "snapshot s", "write s", "np.save s", "write/np.save", "read s",
-                        "np.load s", "from_snapshot s", "async save() blocks s", "async handler blocks s",
-                        "exact"], rows)
+    common.print_table(["groups", "MB", "fill s", "cut (lock) s", "build s", "write s", "np.save s",
+                        "write/np.save", "read s", "np.load s", "from_snapshot s", "async save() blocks s", "exact"],
+                       rows)
     for n in notes:
         print(n)
     if per_group:
         print("per group (constant = linear growth): " + "; ".join(
-            f"{n:,}: write {w:.1f} us, snapshot {s:.1f} us, from_snapshot {f:.1f} us" for n, w, s, f in per_group))
+            f"{n:,}: write {w:.1f} us, cut {c:.1f} us, build {b:.1f} us, from_snapshot {f:.1f} us"
+            for n, w, c, b, f in per_group))
         import resource
         print(f"peak RSS of this process so far: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB")
         worst = max(float(r[6].rstrip("x")) for r in rows)

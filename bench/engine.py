@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
+import sys
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from async_rl import config as cfg_lib
+import common  # noqa: E402  (bench/common.py, beside this file)
 from async_rl.engine import Engine, sample_token, token_key
 from async_rl.model import Transformer, layout
 
@@ -144,15 +148,8 @@ def main():
           f"temperature 1")
     print(f"compile: engine {eng_compile:.1f} s (prefill+insert+generate), naive {naive_compile:.1f} s "
           f"(incl. first step)")
-    w = (34, 12, 10, 34, 20)
     head = ("path", "tokens/s", f"{tokens} tok", "timing", "compilations")
-    line = "+".join("-" * (x + 2) for x in w)
-    print(line)
-    print("|".join(f" {h:<{x}} " for h, x in zip(head, w)))
-    print(line)
-    for r in rows:
-        print("|".join(f" {c:<{x}} " for c, x in zip(r, w)))
-    print(line)
+    common.print_table(list(head), [list(r) for r in rows], align="<" * len(head))
     print(f"speedup (engine decode vs naive): {eng_tps / naive_tps:,.1f}x   "
           f"(incl. prefill: {eng_e2e_tps / naive_tps:,.1f}x)   target >= 10x")
 

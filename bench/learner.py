@@ -79,7 +79,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from async_rl import config as cfg_lib  # noqa: E402
+import common  # noqa: E402  (bench/common.py, beside this file)
 from async_rl import sharding  # noqa: E402
 from async_rl.ledger import Group, Sample  # noqa: E402
 from async_rl.learner import Learner, build_batch  # noqa: E402
@@ -244,22 +246,8 @@ def main(args):
           f"({peak_after / 1e9:.1f} GFLOP/s), best at n = {peak_n}; "
           f"host 1-min load average {load_before:.1f} -> {load_after:.1f}, this process kept "
           f"{busy:.0%} of the {os.cpu_count()} CPUs busy during the timed steps")
-    w = (30, 12, 12, 14, 10)
     head = ("", "step time", "tokens/s", "GFLOP/s", "MFU")
-    line = "+".join("-" * (x + 2) for x in w)
-    rows = [
-        ("train step, median", f"{med * 1e3:,.0f} ms", f"{B * T / med:,.0f}", f"{total / med / 1e9:,.1f}",
-         f"{total / med / peak:.1%}"),
-        ("train step, best", f"{best * 1e3:,.0f} ms", f"{B * T / best:,.0f}", f"{total / best / 1e9:,.1f}",
-         f"{total / best / peak:.1%}"),
-        (f"matmul peak ({args.dtype} dot)", "", "", f"{peak / 1e9:,.1f}", "100%"),
-    ]
-    print(line)
-    print("|".join(f" {h:<{x}} " for h, x in zip(head, w)))
-    print(line)
-    for r in rows:
-        print("|".join(f" {c:<{x}} " for c, x in zip(r, w)))
-    print(line)
+    common.print_table(list(head), [list(r) for r in rows], align="<" * len(head))
     mfu = total / med / peak
     print(f"MFU (median step) {mfu:.1%}   target >= {args.target:.0%}: "
           f"{'met' if mfu >= args.target else 'NOT met'}   (loss {loss:.4f})")

@@ -88,13 +88,9 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 def read_ledger(run_dir: Path, step: int):
     """The ledger saved in checkpoint `step`, read straight from its files."""
-    import numpy as np
-
-    from async_rl.ledger import Ledger, LedgerSnapshot
-    d = Path(run_dir) / "checkpoints" / str(step) / "ledger"
-    header = json.loads((d / "process_0-of-1.json").read_text())
-    arrays = {n: np.load(d / f"process_0-of-1.{n}.npy") for n in header.pop("arrays")}
-    return Ledger.from_snapshot(LedgerSnapshot(header=header, arrays=arrays))
+    from async_rl.checkpoint import LedgerHandler
+    from async_rl.ledger import Ledger
+    return Ledger.from_snapshot(LedgerHandler().restore(Path(run_dir) / "checkpoints" / str(step) / "ledger"))
 
 
 def rollouts(run_dir: Path) -> list[dict]:

@@ -122,7 +122,7 @@ def test_damaged_latest_step_falls_back(tmp_path, xla_cache):
                 cache=xla_cache)
     assert r.returncode == 0, r.stderr
     assert checkpoint_steps(tmp_path) == [2, 4]
-    victim = next((tmp_path / "checkpoints" / "4" / "ledger").glob("*.tokens.npy"))
+    victim = next((tmp_path / "checkpoints" / "4" / "ledger").glob("*.bin"))
     victim.write_bytes(victim.read_bytes()[:10])  # truncated
     r = run_cli(tmp_path, *BASE, "train.max_steps=5", cache=xla_cache)
     assert r.returncode == 0, r.stderr
