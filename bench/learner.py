@@ -247,6 +247,13 @@ def main(args):
           f"host 1-min load average {load_before:.1f} -> {load_after:.1f}, this process kept "
           f"{busy:.0%} of the {os.cpu_count()} CPUs busy during the timed steps")
     head = ("", "step time", "tokens/s", "GFLOP/s", "MFU")
+    rows = [
+        ("train step, median", f"{med * 1e3:,.0f} ms", f"{B * T / med:,.0f}", f"{total / med / 1e9:,.1f}",
+         f"{total / med / peak:.1%}"),
+        ("train step, best", f"{best * 1e3:,.0f} ms", f"{B * T / best:,.0f}", f"{total / best / 1e9:,.1f}",
+         f"{total / best / peak:.1%}"),
+        (f"matmul peak ({args.dtype} dot)", "", "", f"{peak / 1e9:,.1f}", "100%"),
+    ]
     common.print_table(list(head), [list(r) for r in rows], align="<" * len(head))
     mfu = total / med / peak
     print(f"MFU (median step) {mfu:.1%}   target >= {args.target:.0%}: "
