@@ -186,9 +186,15 @@ class _StalenessSampler(_Sampler):
 
 
 class FifoSampler(_StalenessSampler):
-    """Oldest READY groups first; generation ahead bounded by max_staleness steps of groups."""
+    """Oldest READY groups first; a record is drawn only if it can be trained in time."""
 
     name = "fifo"
+
+    def may_draw(self, version: int, latest: int) -> bool:
+        # the new group trains after every group already drawn, i.e. len // pps steps after
+        # the next one, on weights that far past `latest`: draw only if that is within bound
+        ahead = len(self.ledger.groups) // self.pps
+        return super().may_draw(version, latest) and (latest - version) + ahead <= self.max_staleness
 
     def _order(self, fresh):
         return sorted(fresh, key=lambda g: g.ordinal)
