@@ -120,11 +120,12 @@ class MetricsSink:
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
         self.progress = None
         if progress:
+            from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                                      TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[tps]} tok/s"),
                                      TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                     transient=False, refresh_per_second=4)
+                                     transient=False, refresh_per_second=4, console=Console(stderr=True))
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, reward="-", tps="-")
             self.progress.start()
 
