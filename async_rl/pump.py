@@ -11,6 +11,7 @@ weights (learner publishes them), or saving (train/checkpoint).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -51,17 +52,24 @@ class Pump:
         self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
         self._prefixes: dict[int, object] = {}  # ordinal -> prefill result shared by its samples
         self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
+        # wakes the pump the moment published weights are computed (it would otherwise find
+        # out at its next poll, a delay on the critical path of every synchronous step)
+        self._computing: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher = threading.Thread(target=self._watch_computed, name="pump-weights", daemon=True)
 
     # ---- control (learner thread) --------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+        self._watcher.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._computing.put(None)
         with self.ledger.changed:
             self.ledger.changed.notify_all()
         self._thread.join(timeout=60)
+        self._watcher.join(timeout=60)
 
     @property
     def alive(self) -> bool:
@@ -71,10 +79,20 @@ class Pump:
         with self.ledger.changed:
             self.published[version] = params
             self.latest = max(self.latest, version)
-            if not self.deterministic:  # only the newest is ever used again
-                for v in [v for v in self.published if v < self.latest and v != self.version]:
+            if not self.deterministic:  # the engine never goes back to older weights
+                for v in [v for v in self.published if v < self.version]:
                     del self.published[v]
             self.ledger.changed.notify_all()
+        self._computing.put(params)
+
+    def _watch_computed(self) -> None:
+        while (params := self._computing.get()) is not None:
+            try:
+                jax.block_until_ready(params)
+            except Exception:  # a failed step surfaces in the learner; this only wakes the pump
+                pass
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
 
     def pause_for_cut(self, version: int, should_stop=lambda: False) -> None:
         """Deterministic mode: before saving after `version` steps, finish all work that needs
@@ -140,9 +158,15 @@ class Pump:
             for v in [v for v in self.published if v < need]:
                 del self.published[v]
         else:
+            # a version stays until a newer one is computed: dropping it when a newer one is
+            # published (not yet computed) would leave the engine waiting for that one
             ready = self._newest_ready()
+            for v in [v for v in self.published if v < ready and v != self.version]:
+                del self.published[v]
             if ready > self.version and (self.partial or not any(self.slots)):
+                old = self.version
                 self._swap(ready)
+                del self.published[old]
 
     def _newest_ready(self) -> int:
         """The newest published version whose weights are computed: swapping to one still in
