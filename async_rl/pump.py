@@ -79,9 +79,6 @@ class Pump:
         with self.ledger.changed:
             self.published[version] = params
             self.latest = max(self.latest, version)
-            if not self.deterministic:  # the engine never goes back to older weights
-                for v in [v for v in self.published if v < self.version]:
-                    del self.published[v]
             self.ledger.changed.notify_all()
         self._computing.put(params)
 
@@ -158,15 +155,13 @@ class Pump:
             for v in [v for v in self.published if v < need]:
                 del self.published[v]
         else:
-            # a version stays until a newer one is computed: dropping it when a newer one is
-            # published (not yet computed) would leave the engine waiting for that one
             ready = self._newest_ready()
+            if ready > self.version and (self.partial or not any(self.slots)):
+                self._swap(ready)
+            # a version goes once a newer one is computed, not when one is published: dropping
+            # it at publication would leave the engine waiting for weights still in flight
             for v in [v for v in self.published if v < ready and v != self.version]:
                 del self.published[v]
-            if ready > self.version and (self.partial or not any(self.slots)):
-                old = self.version
-                self._swap(ready)
-                del self.published[old]
 
     def _newest_ready(self) -> int:
         """The newest published version whose weights are computed: swapping to one still in
