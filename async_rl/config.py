@@ -113,8 +113,10 @@ class ModelConfig:
     learned_positions: int = 0  # learned absolute position table over columns (>= P + N); 0 = RoPE only
     dtype: str = "float32"  # activation/compute dtype
     param_dtype: str = "float32"  # parameter storage dtype
+    attention: str = "auto"  # full-row attention kernel: auto | xla | blockwise | cudnn | splash
 
     def __post_init__(self):
+        _one_of("model.attention", self.attention, ("auto", "xla", "blockwise", "cudnn", "splash"))
         for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
             _check(getattr(self, k) > 0, f"model.{k}", getattr(self, k), "must be > 0")
         _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0")
@@ -209,6 +211,11 @@ class LearnerConfig:
     kl_coef: float = 0.0  # KL penalty to the frozen initial policy; 0 = no reference model
     adv_eps: float = 1e-6  # added to the group reward std before dividing
     logits_chunk: int = 0  # completion columns projected to the vocabulary at once; 0 = all
+    remat: str = "none"  # recompute in the backward pass: none | block (keep only block inputs) | dots
+    micro_batch_rows: int = 0  # rows per gradient-accumulation micro-batch within an update; 0 = all
+    ppo_epochs: int = 1  # passes over a step's rows, each of learner.minibatches optimizer updates
+    minibatches: int = 1  # optimizer updates per pass; each takes 1/minibatches of the rows
+    bucket_min: int = 0  # length buckets: widths round up to bucket_min * 2^k tokens (cap P, N); 0 = P + N
 
     def __post_init__(self):
         _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
@@ -225,6 +232,11 @@ class LearnerConfig:
         _check(self.is_cap >= 1, "learner.is_cap", self.is_cap, "must be >= 1")
         _check(self.kl_coef >= 0, "learner.kl_coef", self.kl_coef, "must be >= 0")
         _check(self.logits_chunk >= 0, "learner.logits_chunk", self.logits_chunk, "must be >= 0")
+        _one_of("learner.remat", self.remat, ("none", "block", "dots"))
+        _check(self.micro_batch_rows >= 0, "learner.micro_batch_rows", self.micro_batch_rows, "must be >= 0")
+        _check(self.ppo_epochs >= 1, "learner.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        _check(self.minibatches >= 1, "learner.minibatches", self.minibatches, "must be >= 1")
+        _check(self.bucket_min >= 0, "learner.bucket_min", self.bucket_min, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -306,6 +318,12 @@ class Config:
             _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups",
                    s.max_buffered_groups,
                    f"must hold at least one step (rollout.prompts_per_step={self.rollout.prompts_per_step})")
+        rows, lc = self.rollout.prompts_per_step * self.rollout.samples_per_prompt, self.learner
+        _check(rows % lc.minibatches == 0, "learner.minibatches", lc.minibatches,
+               f"must divide the step's rows (rollout.prompts_per_step x samples_per_prompt = {rows})")
+        if lc.micro_batch_rows:
+            _check((rows // lc.minibatches) % lc.micro_batch_rows == 0, "learner.micro_batch_rows",
+                   lc.micro_batch_rows, f"must divide the rows of one update ({rows // lc.minibatches})")
         width = self.engine.max_prompt_len + self.rollout.max_new_tokens
         if self.model.learned_positions:
             _check(self.model.learned_positions >= width, "model.learned_positions", self.model.learned_positions,

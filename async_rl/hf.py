@@ -12,12 +12,15 @@ Each device's slice of each tensor is read with positioned reads (`os.preadv`) i
 buffer of that slice's size and placed by `jax.make_array_from_callback`. Nothing is
 memory-mapped: mapped pages count toward resident memory until unmapped, page-cache reads
 do not. So the host holds one tensor slice (plus a bounded read chunk) at a time. HF
-Linear weights are [out, in], ours [in, out]: those are transposed on the way.
+Linear weights are [out, in], ours [in, out]: those are transposed on the way. Our block
+parameters are stacked [n_layers, ...]: HF's per-layer tensors are written into the
+stacked array one layer at a time on the devices, and read back out one layer at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -132,28 +136,42 @@ def resolve(cfg: Config) -> Config:
 
 # --- names ------------------------------------------------------------------------------
 
-# (our path pattern, HF name template, HF weight is [out, in] of our [in, out])
+# (our path pattern within a block or the model, HF name template, HF weight is [out, in] of our [in, out]).
+# Block parameters are stacked [n_layers, ...] under `layers.` (one HF tensor per layer);
+# an unstacked `layers.<i>.` path (a per-layer dict) names layer i alone.
 _NAMES = [
     (r"embed\.embedding", "model.embed_tokens.weight", False),
     (r"final_norm\.scale", "model.norm.weight", False),
     (r"lm_head\.kernel", "lm_head.weight", True),
-    (r"layers\.(\d+)\.attn_norm\.scale", "model.layers.{}.input_layernorm.weight", False),
-    (r"layers\.(\d+)\.mlp_norm\.scale", "model.layers.{}.post_attention_layernorm.weight", False),
-    (r"layers\.(\d+)\.attn\.([qkvo])\.kernel", "model.layers.{}.self_attn.{}_proj.weight", True),
-    (r"layers\.(\d+)\.attn\.([qkv])\.bias", "model.layers.{}.self_attn.{}_proj.bias", False),
-    (r"layers\.(\d+)\.mlp\.(gate|up|down)\.kernel", "model.layers.{}.mlp.{}_proj.weight", True),
+    (r"layers\.attn_norm\.scale", "model.layers.{i}.input_layernorm.weight", False),
+    (r"layers\.mlp_norm\.scale", "model.layers.{i}.post_attention_layernorm.weight", False),
+    (r"layers\.attn\.([qkvo])\.kernel", "model.layers.{i}.self_attn.{0}_proj.weight", True),
+    (r"layers\.attn\.([qkv])\.bias", "model.layers.{i}.self_attn.{0}_proj.bias", False),
+    (r"layers\.mlp\.(gate|up|down)\.kernel", "model.layers.{i}.mlp.{0}_proj.weight", True),
 ]
 # Tensors a checkpoint may carry that no parameter needs (old rotary caches, a tied head).
 _IGNORABLE = re.compile(r"(.*\.rotary_emb\.inv_freq|lm_head\.weight)$")
 
 
 def hf_name(ours: str) -> tuple[str, bool]:
-    """(HF tensor name, transposed) for our dotted parameter path."""
+    """(HF tensor name, transposed) for our dotted parameter path; a stacked block
+    parameter's name keeps an `{i}` for the layer index."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.*)", ours)
+    path, layer = (f"layers.{m.group(2)}", m.group(1)) if m else (ours, None)
     for pat, tmpl, transposed in _NAMES:
-        m = re.fullmatch(pat, ours)
-        if m:
-            return tmpl.format(*m.groups()), transposed
+        mm = re.fullmatch(pat, path)
+        if mm:
+            name = tmpl.format(*mm.groups(), i="{i}" if layer is None else layer)
+            return name, transposed
     raise HFError(f"parameter {ours!r} has no Hugging Face Llama/Qwen2 equivalent")
+
+
+def hf_tensors(ours: str, shape: tuple) -> list[tuple[str, str, int | None, bool]]:
+    """[(HF name, our name for messages, layer index into our leading axis or None, transposed)]."""
+    name, transposed = hf_name(ours)
+    if "{i}" not in name:
+        return [(name, ours, None, transposed)]
+    return [(name.format(i=i), f"{ours}[{i}]", i, transposed) for i in range(shape[0])]
 
 
 def _is_var(x) -> bool:
@@ -276,9 +294,37 @@ class _Checkpoint:
         self._fds.clear()
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_writer(sharding):
+    # in place (donated): the stacked array is written one layer at a time on its devices
+    return jax.jit(lambda a, piece, i: jax.lax.dynamic_update_slice_in_dim(a, piece, i, 0), donate_argnums=0,
+                   out_shardings=sharding)
+
+
+def _read_array(ckpt: _Checkpoint, t: _Tensor, shape: tuple, dtype: np.dtype, sharding, transposed: bool,
+                lead: bool = False):
+    """`t` as an array of `shape` in `sharding`, each device reading its own slice. `lead`:
+    `shape` has a leading axis of 1 that the file's tensor lacks."""
+    cache: dict = {}  # devices that replicate a slice share one host copy
+
+    def cb(index):
+        key = tuple(s.indices(d) for s, d in zip(index, shape))
+        if key not in cache:
+            got = ckpt.read(t, index[1:] if lead else index, transposed, dtype)
+            cache[key] = got[None] if lead else got
+        return cache[key]
+
+    arr = jax.make_array_from_callback(shape, sharding, cb)
+    arr.block_until_ready()  # bound host memory: free this slice before reading the next
+    return arr
+
+
 def load_params(path: str | Path, abstract_params, shardings) -> nnx.State:
     """Params with the structure of `abstract_params` (an nnx.State of abstract Params), each
-    placed in its sharding (a matching State of NamedShardings, or one Sharding for all)."""
+    placed in its sharding (a matching State of NamedShardings, or one Sharding for all).
+
+    A stacked block parameter [n_layers, ...] is filled layer by layer on its devices: the
+    host holds one layer's device slice at a time, as for any other tensor."""
     ckpt = _Checkpoint(path)
     named, treedef = _flat(abstract_params)
     sh = [shardings] * len(named) if isinstance(shardings, jax.sharding.Sharding) else \
@@ -286,20 +332,21 @@ def load_params(path: str | Path, abstract_params, shardings) -> nnx.State:
     used, out = set(), []
     try:
         for (ours, var), sharding in zip(named, sh):
-            name, transposed = hf_name(ours)
             shape, dtype = tuple(var.shape), np.dtype(var.dtype)
-            t = ckpt.get(name, ours, shape[::-1] if transposed else shape)
-            used.add(name)
-            cache: dict = {}  # devices that replicate a slice share one host copy
-
-            def cb(index, t=t, transposed=transposed, dtype=dtype, cache=cache):
-                key = tuple(s.indices(d) for s, d in zip(index, shape))
-                if key not in cache:
-                    cache[key] = ckpt.read(t, index, transposed, dtype)
-                return cache[key]
-
-            arr = jax.make_array_from_callback(shape, sharding, cb)
-            arr.block_until_ready()  # bound host memory: free this slice before reading the next
+            parts = hf_tensors(ours, shape)
+            arr = None
+            for name, label, layer, transposed in parts:
+                one = shape if layer is None else shape[1:]
+                t = ckpt.get(name, label, one[::-1] if transposed else one)
+                used.add(name)
+                if layer is None:
+                    arr = _read_array(ckpt, t, shape, dtype, sharding, transposed)
+                    continue
+                piece = _read_array(ckpt, t, (1,) + one, dtype, sharding, transposed, lead=True)
+                if arr is None:
+                    arr = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+                arr = _layer_writer(sharding)(arr, piece, layer)
+                arr.block_until_ready()
             out.append(var.replace(arr) if _is_var(var) else arr)
     finally:
         ckpt.close()
@@ -335,6 +382,16 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, dtype: str, base: dict | 
     return doc
 
 
+class _Layer:
+    """Layer i of a stacked parameter, fetched to the host only when written."""
+
+    def __init__(self, leaf, i: int):
+        self.leaf, self.i, self.shape = leaf, i, tuple(leaf.shape[1:])
+
+    def __call__(self):
+        return self.leaf[self.i]
+
+
 def _write_file(file: Path, items: list[tuple[str, Any, bool, np.dtype]]) -> None:
     """One safetensors file; each tensor is fetched, laid out and written one at a time."""
     head, off = {}, 0
@@ -350,7 +407,7 @@ def _write_file(file: Path, items: list[tuple[str, Any, bool, np.dtype]]) -> Non
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for name, leaf, transposed, dt in items:
-            host = np.asarray(jax.device_get(leaf))
+            host = np.asarray(jax.device_get(leaf() if callable(leaf) else leaf))
             host = np.ascontiguousarray(host.T if transposed else host).astype(dt, copy=False)
             f.write(memoryview(host.reshape(-1).view(np.uint8)))
 
@@ -366,12 +423,12 @@ def save_hf(params, model_cfg: ModelConfig, vocab_size: int, out_dir: str | Path
                       "no Hugging Face Llama/Qwen2 equivalent; only models with learned_positions=0 export")
     items = []
     for ours, leaf in _flat(params)[0]:
-        name, transposed = hf_name(ours)
         leaf = leaf.get_value() if _is_var(leaf) else leaf
         dt = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype else np.dtype(leaf.dtype)
         if dt not in _DTYPE_NAMES:
             raise HFError(f"dtype {dt} cannot be written to safetensors here (supported: {', '.join(_DTYPES)})")
-        items.append((name, leaf, transposed, dt))
+        for name, _, layer, transposed in hf_tensors(ours, tuple(leaf.shape)):
+            items.append((name, leaf if layer is None else _Layer(leaf, layer), transposed, dt))
     items.sort(key=lambda it: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", it[0])])  # layer 2 < 10
     dts = {it[3].name for it in items}
     doc = hf_config(model_cfg, vocab_size, dts.pop() if len(dts) == 1 else "float32", base_config)

@@ -1,29 +1,43 @@
-"""The learner: parameter init, optimizer, host batches and the jitted GRPO train step.
+"""The learner: parameter init, optimizer and the jitted GRPO/PPO train step.
 
 Owns: the train state {params, opt}, its shardings on the learner mesh, the optax
-optimizer (AdamW, warm-up + constant/cosine, grad-norm clip), turning READY ledger
-groups into a fixed-shape host batch, and the pure `train_step(state, batch) ->
-(state, metrics)` jitted with explicit shardings and donated state. Does not own: which
-groups form a step (sampler), the loss formulas (losses), files (checkpoint), or the
-engine (weights leave through `publishable`).
+optimizer (AdamW, warm-up + constant/cosine, grad-norm clip), and the pure
+`train_step(state, batch) -> (state, metrics)` jitted with explicit shardings and donated
+state: PPO epochs x minibatches of optimizer updates against the step's proximal
+logprobs, each update accumulating gradients over micro-batches. Does not own: which
+rows form a step (sampler, train), their host layout and length buckets (`batch`), the
+loss formulas (losses), files (checkpoint), or the engine (weights leave through
+`publishable`).
+
+Updates. With `ppo_epochs` E and `minibatches` M a step makes E x M optimizer updates;
+update u trains the rows r with r % M == u % M. The proximal logprobs pi_prox are those
+of the weights at the step's start (one extra forward pass when E x M > 1; with one
+update they are the current logprobs under stop-gradient, as before). The learning-rate
+schedule still counts learner steps. Micro-batch j of an update holds its rows r with
+r % K == j (K micro-batches): strided, so every micro-batch spans every device.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Sequence
+import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as PS
 
-from . import losses, sharding
-from .config import Config
-from .ledger import Group
+from . import attention, losses, sharding
+from .batch import Batch, Row, build_batch, widen  # noqa: F401  (Row, build_batch: the learner's input)
+from .config import Config, ConfigError
 from .model import Transformer
+
+
+def updates_per_step(cfg: Config) -> int:
+    return cfg.learner.ppo_epochs * cfg.learner.minibatches
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -37,6 +51,10 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
                                       optax.constant_schedule(lc.lr)], [lc.warmup_steps])
     else:
         sched = optax.constant_schedule(lc.lr)
+    u = updates_per_step(cfg)
+    if u > 1:  # optax counts updates; the schedule is in learner steps
+        base = sched
+        sched = lambda count: base(count // u)  # noqa: E731
     chain = [optax.clip_by_global_norm(lc.grad_clip)] if lc.grad_clip else []
     chain.append(optax.adamw(sched, b1=lc.b1, b2=lc.b2, weight_decay=lc.weight_decay))
     return optax.chain(*chain)
@@ -46,61 +64,29 @@ def _new_model(cfg: Config, vocab_size: int) -> Transformer:
     return Transformer(cfg.model, vocab_size, rngs=nnx.Rngs(cfg.run.seed))
 
 
-@dataclass
-class Batch:
-    """One learner step on the host: B = groups x samples rows, T = P + N columns."""
-    tokens_BxT: np.ndarray  # int32 prompt (left-padded to P) + completion
-    positions_BxT: np.ndarray  # int32 RoPE positions (column - first valid column)
-    valid_BxT: np.ndarray  # bool real tokens
-    completion_BxN: np.ndarray  # int32 completion tokens (pad past the end)
-    behav_logp_BxN: np.ndarray  # float32 engine logprobs of the completion tokens
-    mask_BxN: np.ndarray  # bool tokens that count in the loss
-    versions_BxN: np.ndarray  # int32 policy version that produced each token (-1 = none)
-    rewards_B: np.ndarray  # float32
-    row_valid_B: np.ndarray  # bool rows of real groups (a short last step is padded)
-
-    def device_dict(self) -> dict[str, np.ndarray]:
-        return {k: v for k, v in self.__dict__.items() if k != "versions_BxN"}
-
-
-def build_batch(groups: Sequence[Group], *, groups_per_step: int, samples: int, prompt_len: int,
-                max_new: int, pad_id: int) -> Batch:
-    """Lays groups out in the engine's column layout (prompt ends at column P)."""
-    B, P, N = groups_per_step * samples, prompt_len, max_new
-    T = P + N
-    tokens = np.full((B, T), pad_id, np.int32)
-    valid = np.zeros((B, T), bool)
-    positions = np.zeros((B, T), np.int32)
-    comp = np.full((B, N), pad_id, np.int32)
-    behav = np.zeros((B, N), np.float32)
-    mask = np.zeros((B, N), bool)
-    versions = np.full((B, N), -1, np.int32)
-    rewards = np.zeros((B,), np.float32)
-    row_valid = np.zeros((B,), bool)
-    for gi, g in enumerate(groups):
-        L = len(g.prompt_tokens)
-        for si, s in enumerate(g.samples):
-            r, n = gi * samples + si, len(s.tokens)
-            tokens[r, P - L:P] = g.prompt_tokens
-            tokens[r, P:P + n] = s.tokens
-            valid[r, P - L:P + n] = True
-            positions[r, P - L:] = np.arange(T - (P - L))
-            comp[r, :n] = s.tokens
-            behav[r, :n] = s.logprobs
-            mask[r, :n] = True
-            versions[r, :n] = s.versions
-            rewards[r] = s.reward
-            row_valid[r] = True
-    return Batch(tokens, positions, valid, comp, behav, mask, versions, rewards, row_valid)
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 class Learner:
     """Holds the compiled functions; the state itself is passed in and out (pure steps)."""
 
-    def __init__(self, cfg: Config, vocab_size: int, mesh, shared_devices: bool = True):
+    def __init__(self, cfg: Config, vocab_size: int, mesh, shared_devices: bool = True, *,
+                 log: Callable[[str], None] = _log, unroll: bool = False):
+        """`unroll`: every loop in the step unrolled (layers, updates, micro-batches, logit
+        chunks): slow to compile, but XLA's cost model then counts every iteration (`plan`)."""
         self.cfg, self.mesh, self.vocab_size = cfg, mesh, vocab_size
         self.P, self.N = cfg.engine.max_prompt_len, cfg.rollout.max_new_tokens
         self.G = cfg.rollout.samples_per_prompt
+        self.log, self.unroll = log, unroll
+        self.compiled_widths: set[tuple[int, int]] = set()  # (Pb, Nb) of every step shape seen
+        platform = mesh.devices.flat[0].platform
+        self.attn = attention.resolve(cfg.model.attention, platform, cfg.model.dtype, mesh, sharding.BATCH_AXES,
+                                      "tensor")
+        # XLA:CPU runs the matmuls of a loop body on one core (small preset: 24% MFU scanned,
+        # 41% unrolled), and CPU models are shallow: unroll the layers there, scan elsewhere.
+        self._layer_unroll = True if platform == "cpu" else 1
+        self._check_splits(cfg, mesh)
         self.tx = make_optimizer(cfg)
         abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size))
         self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
@@ -150,53 +136,142 @@ class Learner:
 
     # ---- step --------------------------------------------------------------------------
 
+    @staticmethod
+    def _check_splits(cfg: Config, mesh) -> None:
+        """Every minibatch and micro-batch must split evenly over the batch shards."""
+        lc, shards = cfg.learner, sharding.batch_shards(mesh)
+        per_update = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // lc.minibatches
+        if lc.minibatches > 1 and per_update % shards:
+            raise ConfigError(f"learner.minibatches={lc.minibatches}: {per_update} rows per update do not split "
+                              f"over the {shards} batch shards (mesh data x fsdp)")
+        if lc.micro_batch_rows % shards:
+            raise ConfigError(f"learner.micro_batch_rows={lc.micro_batch_rows}: must be a multiple of the {shards} "
+                              "batch shards (mesh data x fsdp)")
+
     def _batch_shardings(self):
         shapes = {"tokens_BxT": 2, "positions_BxT": 2, "valid_BxT": 2, "completion_BxN": 2,
                   "behav_logp_BxN": 2, "mask_BxN": 2, "rewards_B": 1, "row_valid_B": 1}
         return {k: sharding.batch_sharding(self.mesh, nd) for k, nd in shapes.items()}
 
     def _logprobs(self, params, b):
-        """Completion-token logprobs and entropies; only the N predicting columns reach the vocabulary."""
+        """Completion-token logprobs and entropies; only the Nb predicting columns reach the vocabulary."""
         model = nnx.merge(self.graphdef, params)
-        x = model.hidden(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"])
-        x_c = x[:, self.P - 1:self.P + self.N - 1]  # column c-1 predicts column c
+        t, n = b["tokens_BxT"].shape[1], b["completion_BxN"].shape[1]
+        pb = t - n  # the batch's prompt width; its column 0 is the engine's column P - pb
+        x = model.hidden(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"], col_offset=self.P - pb,
+                         attn=self.attn, remat=self.cfg.learner.remat, unroll=self.unroll or self._layer_unroll)
+        x_c = x[:, pb - 1:pb + n - 1]  # column c-1 predicts column c
         return losses.completion_logprobs(model.logits, x_c, b["completion_BxN"], self.cfg.engine.temperature,
-                                          self.cfg.learner.logits_chunk)
+                                          self.cfg.learner.logits_chunk, unroll=self.unroll or 1)
+
+    def _split(self, rows: dict, k: int) -> dict:
+        """[B, ...] -> [k, B / k, ...]: part j holds rows r with r % k == j (each spread over the devices)."""
+        def one(x):
+            y = x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
+            spec = PS(None, sharding.BATCH_AXES, *([None] * (x.ndim - 1)))
+            return jax.lax.with_sharding_constraint(y, NamedSharding(self.mesh, spec))
+        return jax.tree.map(one, rows)
+
+    def _micro_count(self, rows: int) -> int:
+        m = self.cfg.learner.micro_batch_rows
+        return rows // m if m and m < rows else 1
+
+    def _loss(self, params, ref_params, mb, denom):
+        """One micro-batch's share of the update's loss (its sums over the update's token count)."""
+        lc = self.cfg.learner
+        logp, ent = self._logprobs(params, mb)
+        mask = mb["mask_BxN"]
+        loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask, clip_eps=lc.clip_eps,
+                                         correction=lc.is_correction, is_cap=lc.is_cap, prox_BxN=mb.get("prox_BxN"),
+                                         denom=denom)
+        if self.use_ref:
+            ref_logp, _ = self._logprobs(ref_params, mb)
+            kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp), mask, denom)
+            loss = loss + lc.kl_coef * kl
+            stats["kl"] = kl
+        fm = mask.astype(jnp.float32)
+        stats["entropy"] = jax.lax.stop_gradient((ent * fm).sum() / denom)
+        stats["logp_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(logp - mb["behav_logp_BxN"]), 0.0))
+        return loss, stats
+
+    def _grads(self, params, ref_params, rows):
+        """(loss, stats, grads) of one update's rows, accumulated over micro-batches."""
+        denom = losses.token_count(rows["mask_BxN"])
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        k = self._micro_count(rows["mask_BxN"].shape[0])
+        if k == 1:
+            (loss, stats), grads = grad_fn(params, ref_params, rows, denom)
+            return loss, stats, grads
+
+        def micro(acc, mb):
+            (loss, stats), g = grad_fn(params, ref_params, mb, denom)
+            add = lambda a, b: a + b.astype(a.dtype)
+            stats = {s: (jnp.maximum if s in losses.MAX_STATS else add)(acc[1][s], v) for s, v in stats.items()}
+            return (acc[0] + loss, stats, jax.tree.map(add, acc[2], g)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        stats0 = jax.eval_shape(lambda: self._loss(params, ref_params, jax.tree.map(lambda x: x[0], self._split(
+            rows, k)), denom)[1])
+        acc0 = (jnp.zeros((), jnp.float32), {s: jnp.zeros(v.shape, v.dtype) for s, v in stats0.items()}, zeros)
+        (loss, stats, grads), _ = jax.lax.scan(micro, acc0, self._split(rows, k), unroll=self.unroll or 1)
+        return loss, stats, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+    def _prox_logprobs(self, params, rows):
+        """pi_prox: the step-start weights' logprobs of every row, micro-batch by micro-batch."""
+        k = self._micro_count(rows["mask_BxN"].shape[0])
+        if k == 1:
+            return jax.lax.stop_gradient(self._logprobs(params, rows)[0])
+        _, lp = jax.lax.scan(lambda c, mb: (c, self._logprobs(params, mb)[0]), None, self._split(rows, k),
+                             unroll=self.unroll or 1)
+        return jax.lax.stop_gradient(lp.swapaxes(0, 1).reshape(rows["mask_BxN"].shape))
+
+    def _update(self, state, ref_params, rows):
+        loss, stats, grads = self._grads(state["params"], ref_params, rows)
+        updates, opt = self.tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        stats = dict(stats, loss=loss, grad_norm=optax.tree.norm(grads))
+        return {"params": params, "opt": opt}, stats
 
     def _train_step(self, state, ref_params, b):
         lc = self.cfg.learner
         mask = b["mask_BxN"] & b["row_valid_B"][:, None]
-        rewards_GxS = b["rewards_B"].reshape(-1, self.G)
-        adv = losses.grpo_advantages(rewards_GxS, lc.adv_eps).reshape(-1)
+        adv = losses.grpo_advantages(b["rewards_B"].reshape(-1, self.G), lc.adv_eps).reshape(-1)
+        rows = dict(b, mask_BxN=mask, adv_B=adv)
+        u, m = updates_per_step(self.cfg), lc.minibatches
+        if u == 1:
+            state, stats = self._update(state, ref_params, rows)
+        else:
+            if lc.is_correction != "none":  # "none" clips against the behaviour policy instead
+                rows["prox_BxN"] = self._prox_logprobs(state["params"], rows)
+            parts = self._split(rows, m)
 
-        def loss_fn(params):
-            logp, ent = self._logprobs(params, b)
-            loss, stats = losses.policy_loss(logp, b["behav_logp_BxN"], adv, mask, clip_eps=lc.clip_eps,
-                                             correction=lc.is_correction, is_cap=lc.is_cap)
-            if self.use_ref:
-                ref_logp, _ = self._logprobs(ref_params, b)
-                kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp), mask)
-                loss = loss + lc.kl_coef * kl
-                stats["kl"] = kl
-            fm = mask.astype(jnp.float32)
-            stats["entropy"] = jax.lax.stop_gradient((ent * fm).sum() / jnp.maximum(fm.sum(), 1))
-            stats["logp_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(logp - b["behav_logp_BxN"]), 0.0))
-            return loss, stats
+            def one(state, i):
+                return self._update(state, ref_params, jax.tree.map(lambda x: x[i % m], parts))
 
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt = self.tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+            state, per_update = jax.lax.scan(one, state, jnp.arange(u), unroll=self.unroll or 1)
+            stats = {s: v.max() if s in losses.MAX_STATS else v.mean() for s, v in per_update.items()}
         rv = b["row_valid_B"].astype(jnp.float32)
         r_mean = (b["rewards_B"] * rv).sum() / jnp.maximum(rv.sum(), 1)
         r_std = jnp.sqrt((((b["rewards_B"] - r_mean) ** 2) * rv).sum() / jnp.maximum(rv.sum(), 1))
-        metrics = {"learner/loss": loss, "learner/grad_norm": optax.tree.norm(grads),
-                   "rollout/reward_mean": r_mean, "rollout/reward_std": r_std,
-                   "rollout/completion_tokens": mask.sum()}
+        metrics = {"rollout/reward_mean": r_mean, "rollout/reward_std": r_std, "rollout/completion_tokens": mask.sum()}
         metrics.update({f"learner/{k}": v for k, v in stats.items()})
-        return {"params": params, "opt": opt}, metrics
+        return state, metrics
+
+    def agreed(self, batch: Batch, pad_id: int = 0) -> Batch:
+        """`batch` widened to the widest prompt and completion widths any process has this step."""
+        if jax.process_count() == 1:
+            return batch
+        p, n = (int(w) for w in sharding.agree(list(batch.widths)).max(axis=0))
+        return widen(batch, p, n, pad_id)
 
     def step(self, state, batch: Batch, ref_params=None):
         """Dispatches one step (returns at once; metrics are device arrays)."""
+        batch = self.agreed(batch)
+        if batch.widths not in self.compiled_widths:
+            self.compiled_widths.add(batch.widths)
+            pb, nb = batch.widths
+            self.log(f"learner: compiling the step for {batch.tokens_BxT.shape[0]} rows x ({pb} prompt + {nb} "
+                     f"completion) columns")
         return self._step(state, ref_params, sharding.global_batch(self.mesh, batch.device_dict()))
 
 

@@ -8,6 +8,10 @@ Three policies appear: the behaviour policy mu that generated the tokens (its fp
 logprobs come from the engine), the proximal policy pi_prox (the learner's weights at
 the start of the step; with one update per step it equals the current weights under
 stop-gradient) and the policy pi_theta being optimised.
+
+Token means take an optional `denom`: a micro-batch divides its sums by the token count
+of the whole update, so the micro-batches' losses, gradients and mean statistics add up
+to the unsplit ones (`MAX_STATS` combine by max instead).
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ def token_logprobs(logits_BxNxV: jax.Array, tokens_BxN: jax.Array, temperature: 
     return jnp.take_along_axis(logp, tokens_BxN[..., None], axis=-1)[..., 0]
 
 
-def completion_logprobs(logits_fn, x_BxNxD, tokens_BxN, temperature: float, chunk: int = 0):
+MAX_STATS = ("is_weight_max", "logp_diff_max")
+
+
+def completion_logprobs(logits_fn, x_BxNxD, tokens_BxN, temperature: float, chunk: int = 0,
+                        unroll: bool | int = 1):
     """(logp_BxN, entropy_BxN) of the completion tokens, projecting to the vocabulary `chunk`
     columns at a time: the [B, chunk, V] logits are rematerialised in the backward pass
     instead of keeping [B, N, V] alive (it dominates memory for 100k+ vocabularies)."""
@@ -51,17 +59,22 @@ def completion_logprobs(logits_fn, x_BxNxD, tokens_BxN, temperature: float, chun
     b, k = x.shape[0], (n + pad) // chunk
     xs = x.reshape(b, k, chunk, -1).swapaxes(0, 1)
     ts = tok.reshape(b, k, chunk).swapaxes(0, 1)
-    logp, ent = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (xs, ts))
+    _, (logp, ent) = jax.lax.scan(lambda c, a: (c, jax.checkpoint(one)(*a)), None, (xs, ts), unroll=unroll)
     unchunk = lambda y: y.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
     return unchunk(logp), unchunk(ent)
 
 
-def _masked_mean(x, mask):
-    return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+def token_count(mask_BxN):
+    """The denominator of a token mean over `mask` (at least 1)."""
+    return jnp.maximum(mask_BxN.astype(jnp.float32).sum(), 1.0)
+
+
+def _masked_mean(x, mask, denom=None):
+    return (x * mask).sum() / (token_count(mask) if denom is None else denom)
 
 
 def policy_loss(logp_BxN, behav_BxN, adv_B, mask_BxN, *, clip_eps: float, correction: str,
-                is_cap: float, prox_BxN=None):
+                is_cap: float, prox_BxN=None, denom=None):
     """Token-mean clipped surrogate with an importance correction for off-policy tokens.
 
     correction:
@@ -70,6 +83,8 @@ def policy_loss(logp_BxN, behav_BxN, adv_B, mask_BxN, *, clip_eps: float, correc
       seq_tis   as tis, w = min(prod_t pi_prox/mu, is_cap) per sequence.
       decoupled ratio pi_theta/pi_prox, PPO-clip, times w = pi_prox/mu; tokens with w > is_cap
                 are masked out (decoupled PPO with a behaviour-weight cap).
+    `prox_BxN`: the proximal logprobs (default: the current ones under stop-gradient).
+    `denom`: the token count the means divide by (default: this mask's).
     Returns (loss, stats) with importance-weight mean/max and the clipped fractions.
     """
     mask = mask_BxN.astype(jnp.float32)
@@ -95,19 +110,19 @@ def policy_loss(logp_BxN, behav_BxN, adv_B, mask_BxN, *, clip_eps: float, correc
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     surrogate = jnp.minimum(unclipped, clipped)
-    loss = -_masked_mean(w * surrogate, mask)
+    loss = -_masked_mean(w * surrogate, mask, denom)
     # the importance weight that multiplies the gradient of log pi_theta, per token
     is_weight = jax.lax.stop_gradient(ratio if correction == "none" else raw_w)
     stats = {
-        "clip_frac": _masked_mean((clipped < unclipped).astype(jnp.float32), mask),
-        "is_weight_mean": _masked_mean(is_weight, mask),
+        "clip_frac": _masked_mean((clipped < unclipped).astype(jnp.float32), mask, denom),
+        "is_weight_mean": _masked_mean(is_weight, mask, denom),
         "is_weight_max": jnp.max(jnp.where(mask > 0, is_weight, 0.0)),
-        "is_clip_frac": _masked_mean(w_clipped.astype(jnp.float32), mask),
+        "is_clip_frac": _masked_mean(w_clipped.astype(jnp.float32), mask, denom),
     }
     return loss, stats
 
 
-def kl_k3(logp_BxN, ref_BxN, mask_BxN):
+def kl_k3(logp_BxN, ref_BxN, mask_BxN, denom=None):
     """Unbiased, non-negative KL(pi_theta || pi_ref) estimator exp(d) - d - 1, d = ref - logp."""
     d = ref_BxN - logp_BxN
-    return _masked_mean(jnp.exp(d) - d - 1.0, mask_BxN.astype(jnp.float32))
+    return _masked_mean(jnp.exp(d) - d - 1.0, mask_BxN.astype(jnp.float32), denom)

@@ -2,15 +2,23 @@
 
 Owns: the parameter tree (names, shapes, logical `axes` metadata per parameter), the
 full-sequence forward pass, the prefill/decode pair over a stacked KV cache, and the
-sequence layout those share. Does not own: sharding (reads `axes` elsewhere), sampling
-and slot management (`engine`), losses (`learner`), checkpoint conversion.
+sequence layout those share. Does not own: sharding (reads `axes` elsewhere), the
+attention kernels (`attention`), sampling and slot management (`engine`), losses
+(`learner`), checkpoint conversion.
+
+Layers are stacked: every block parameter has a leading [n_layers] axis (logical axis
+"layers"), and the passes scan one block over it, so compile time does not grow with
+depth. `remat` checkpoints each block (its input is kept, the rest is recomputed in the
+backward pass).
 
 Sequence layout. A row has width T = P + N (P = max prompt length, N = max new tokens).
 A prompt of length L is left-padded into columns [P-L, P); the completion starts at
 column P. `start = P - L` is the first valid column, the RoPE position of a column is
 `column - start`, and pad columns are masked out as keys. Because every consumer uses
 this layout, the engine's logprobs and the learner's recomputation see the same
-computation up to floating-point reassociation.
+computation up to floating-point reassociation. A narrower row (the learner's length
+buckets) keeps the same RoPE positions and passes `col_offset`, the absolute column of
+its first column, for the learned position table.
 """
 
 from __future__ import annotations
@@ -23,11 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from async_rl import attention
 from async_rl.config import ModelConfig
 
-# Finite, so that a query with no visible key (a pad column, or a fully padded row)
-# gets a uniform softmax instead of NaN.
-_MASK_VALUE = -1e30
+REMAT = ("none", "block", "dots")
 
 
 class KVCache(TypedDict):
@@ -52,13 +59,24 @@ def layout(prompt_len: int, max_prompt_len: int, width: int, n_filled: int | Non
     return start, positions, valid
 
 
+def default_attention(cfg: ModelConfig) -> attention.Spec:
+    """`cfg.attention` for the default backend, unpartitioned (callers with a mesh resolve their own)."""
+    return attention.resolve(cfg.attention, jax.default_backend(), cfg.dtype)
+
+
+def _stacked(stack: int, shape: tuple, axes: tuple):
+    return ((stack,) + shape, ("layers",) + axes) if stack else (shape, axes)
+
+
 class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool, std: float, cfg: ModelConfig,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, stack: int = 0):
         pdt = jnp.dtype(cfg.param_dtype)
         self.dtype = jnp.dtype(cfg.dtype)
-        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), pdt), axes=axes)
-        self.bias = nnx.Param(jnp.zeros((d_out,), pdt), axes=(axes[1],)) if bias else None
+        shape, kaxes = _stacked(stack, (d_in, d_out), axes)
+        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), shape, pdt), axes=kaxes)
+        bshape, baxes = _stacked(stack, (d_out,), (axes[1],))
+        self.bias = nnx.Param(jnp.zeros(bshape, pdt), axes=baxes) if bias else None
 
     def __call__(self, x):
         y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
@@ -83,10 +101,11 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, cfg: ModelConfig):
+    def __init__(self, dim: int, *, cfg: ModelConfig, stack: int = 0):
         self.eps = cfg.norm_eps
         self.dtype = jnp.dtype(cfg.dtype)
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(cfg.param_dtype)), axes=("embed",))
+        shape, axes = _stacked(stack, (dim,), ("embed",))
+        self.scale = nnx.Param(jnp.ones(shape, jnp.dtype(cfg.param_dtype)), axes=axes)
 
     def __call__(self, x):
         # fp32 statistics: bf16 mean-of-squares loses enough precision to move logprobs.
@@ -132,31 +151,19 @@ def rope(x_BxTxHxD, positions_BxT, theta: float, scaling: tuple = ()):
     return (x * cos + rotated * sin).astype(x_BxTxHxD.dtype)
 
 
-def attend(q_BxQxHxD, k_BxKxGxD, v_BxKxGxD, mask_BxQxK):
-    """Grouped-query attention; softmax in fp32. G = kv heads, H = G * group size."""
-    b, nq, h, d = q_BxQxHxD.shape
-    g = k_BxKxGxD.shape[2]
-    q = q_BxQxHxD.reshape(b, nq, g, h // g, d)
-    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k_BxKxGxD, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
-    scores = jnp.where(mask_BxQxK[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxGxD.dtype)
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v_BxKxGxD)
-    return out.reshape(b, nq, h * d)
-
-
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0):
         d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.theta = h, g, hd, cfg.rope_theta
         self.rope_scaling = rope_scaling(cfg)
         std = 1.0 / math.sqrt(d)
-        self.q = Linear(d, h * hd, ("embed", "heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
-        self.k = Linear(d, g * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
-        self.v = Linear(d, g * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs)
+        kw = dict(bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs, stack=stack)
+        self.q = Linear(d, h * hd, ("embed", "heads"), **kw)
+        self.k = Linear(d, g * hd, ("embed", "kv_heads"), **kw)
+        self.v = Linear(d, g * hd, ("embed", "kv_heads"), **kw)
         # Residual-branch outputs scaled down so the stream's variance stays O(1) with depth.
         o_std = 1.0 / math.sqrt(h * hd) / math.sqrt(2 * cfg.n_layers)
-        self.o = Linear(h * hd, d, ("heads", "embed"), bias=False, std=o_std, cfg=cfg, rngs=rngs)
+        self.o = Linear(h * hd, d, ("heads", "embed"), bias=False, std=o_std, cfg=cfg, rngs=rngs, stack=stack)
 
     def qkv(self, x_BxTxD, positions_BxT):
         b, t, _ = x_BxTxD.shape
@@ -168,12 +175,12 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0):
         d, f = cfg.d_model, cfg.d_ff
-        self.gate = Linear(d, f, ("embed", "mlp"), bias=False, std=1 / math.sqrt(d), cfg=cfg, rngs=rngs)
-        self.up = Linear(d, f, ("embed", "mlp"), bias=False, std=1 / math.sqrt(d), cfg=cfg, rngs=rngs)
-        down_std = 1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers)
-        self.down = Linear(f, d, ("mlp", "embed"), bias=False, std=down_std, cfg=cfg, rngs=rngs)
+        kw = dict(bias=False, cfg=cfg, rngs=rngs, stack=stack)
+        self.gate = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw)
+        self.up = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw)
+        self.down = Linear(f, d, ("mlp", "embed"), std=1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers), **kw)
 
     def __call__(self, x):
         rows = x.size // x.shape[-1]
@@ -189,19 +196,43 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg=cfg)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg)
-        self.mlp = MLP(cfg, rngs=rngs)
+    """One transformer block; built with `stack=L` it holds all L blocks' parameters."""
 
-    def __call__(self, x_BxTxD, q_positions_BxT, keys_fn):
-        """`keys_fn(k, v) -> (keys, values, mask)` decides which keys the new queries see
-        (the same columns, or a cache), so full and decode paths share every other op."""
-        q, k, v = self.attn.qkv(self.attn_norm(x_BxTxD), q_positions_BxT)
-        keys, values, mask = keys_fn(k, v)
-        x = x_BxTxD + self.attn.o(attend(q, keys, values, mask))
-        return x + self.mlp(self.mlp_norm(x)), (k, v)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack)
+        self.attn = Attention(cfg, rngs=rngs, stack=stack)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack)
+        self.mlp = MLP(cfg, rngs=rngs, stack=stack)
+
+    def qkv(self, x_BxTxD, positions_BxT):
+        return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT)
+
+    def finish(self, x_BxTxD, attn_BxTxE):
+        """Output projection, residual and MLP, given the attention output."""
+        x = x_BxTxD + self.attn.o(attn_BxTxE)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _stack_blocks(blocks: list[Block], cfg: ModelConfig) -> Block:
+    """One Block holding `blocks`' parameters stacked on a leading "layers" axis. Blocks are
+    initialised one by one, so a model draws the same initial values as unstacked layers."""
+    stacked = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), stack=len(blocks)))
+    target = jax.tree_util.tree_flatten_with_path(nnx.state(stacked), is_leaf=_is_var)[0]
+    per_layer = [jax.tree.leaves(nnx.state(b), is_leaf=_is_var) for b in blocks]
+    for i, (_, var) in enumerate(target):
+        var.set_value(jnp.stack([layer[i].get_value() for layer in per_layer]))
+    return stacked
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _policy(remat: str):
+    if remat not in REMAT:
+        raise ValueError(f"learner.remat={remat!r}: must be one of {', '.join(REMAT)}")
+    return {"block": jax.checkpoint_policies.nothing_saveable,
+            "dots": jax.checkpoint_policies.checkpoint_dots}.get(remat)
 
 
 class Transformer(nnx.Module):
@@ -210,7 +241,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.layers = _stack_blocks([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)], cfg)
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg)
         # Optional learned table indexed by column: prompts end at a fixed column, so a
         # position-keyed task (reversal) sees "=" at the same absolute index every time.
@@ -238,39 +269,58 @@ class Transformer(nnx.Module):
         return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def _trunk(self, tokens_BxT, positions_BxT, valid_BxT):
-        t = tokens_BxT.shape[1]
-        causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-        mask_BxTxT = causal_TxT[None] & valid_BxT[:, None, :]
-        x = self._embed(tokens_BxT, jnp.arange(t)[None])
-        ks, vs = [], []
-        for layer in self.layers:
-            x, (k, v) = layer(x, positions_BxT, lambda k, v: (k, v, mask_BxTxT))
-            ks.append(k)
-            vs.append(v)
-        return x, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+    def _scan(self, body, carry, xs=None, *, remat: str = "none", unroll: bool | int = 1):
+        """Runs `body(carry, block, xs_i) -> (carry, y_i)` over the stacked blocks."""
+        graphdef, blocks = nnx.split(self.layers)
 
-    def hidden(self, tokens_BxT, positions_BxT, valid_BxT):
-        """Residual stream after the last block [B, T, D] (before the final norm)."""
-        return self._trunk(tokens_BxT, positions_BxT, valid_BxT)[0]
+        def step(c, args):
+            params, x_i = args
+            return body(c, nnx.merge(graphdef, params), x_i)
+
+        policy = _policy(remat)
+        if remat != "none":
+            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        return jax.lax.scan(step, carry, (blocks, xs), unroll=unroll)
+
+    def _trunk(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat="none",
+               unroll=1, keep_cache=False):
+        t = tokens_BxT.shape[1]
+        spec = attn or default_attention(self.cfg)
+        x = self._embed(tokens_BxT, jnp.arange(t)[None] + col_offset)
+
+        def body(x, block, _):
+            q, k, v = block.qkv(x, positions_BxT)
+            x = block.finish(x, attention.self_attention(q, k, v, valid_BxT, spec))
+            return x, ((k, v) if keep_cache else None)
+
+        x, kv = self._scan(body, x, remat=remat, unroll=unroll)
+        return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None)
+
+    def hidden(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat: str = "none",
+               unroll: bool | int = 1):
+        """Residual stream after the last block [B, T, D] (before the final norm).
+
+        `attn`: a resolved `attention.Spec` (default: `model.attention` on the default
+        backend); `remat`: none | block | dots; `unroll`: layers per scan iteration (True: all)."""
+        return self._trunk(tokens_BxT, positions_BxT, valid_BxT, col_offset=col_offset, attn=attn, remat=remat,
+                           unroll=unroll)[0]
 
     def logits(self, x):
         """fp32 logits from `hidden` output (any leading shape)."""
         return self._logits(x)
 
-    def __call__(self, tokens_BxT, positions_BxT, valid_BxT):
+    def __call__(self, tokens_BxT, positions_BxT, valid_BxT, *, attn=None):
         """Logits [B, T, V] fp32; query i sees key j iff j <= i and valid[j]."""
-        x, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT)
-        return self._logits(x)
+        return self._logits(self.hidden(tokens_BxT, positions_BxT, valid_BxT, attn=attn))
 
-    def prefill(self, tokens_BxT, positions_BxT, valid_BxT):
+    def prefill(self, tokens_BxT, positions_BxT, valid_BxT, *, attn=None):
         """Same computation as `__call__`, plus the KV cache of all T columns."""
-        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT)
+        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
         return self._logits(x), cache
 
-    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B):
+    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None):
         """`prefill`, but logits only at one column per row (skips a [T, V] projection)."""
-        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT)
+        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
         x_BxD = jnp.take_along_axis(x, cols_B[:, None, None], axis=1)[:, 0]
         return self._logits(x_BxD), cache
 
@@ -283,14 +333,17 @@ class Transformer(nnx.Module):
         rows = jnp.arange(b)
         c = jnp.arange(t)
         mask_Bx1xT = ((c[None] >= starts_B[:, None]) & (c[None] <= cols_B[:, None]))[:, None, :]
-        ck, cv = cache["k"], cache["v"]
         x = self._embed(tokens_B[:, None], cols_B[:, None])
-        for i, layer in enumerate(self.layers):
-            def keys_fn(k, v, i=i):
-                nonlocal ck, cv
-                ck = ck.at[i, rows, cols_B].set(k[:, 0].astype(ck.dtype))
-                cv = cv.at[i, rows, cols_B].set(v[:, 0].astype(cv.dtype))
-                return ck[i].astype(k.dtype), cv[i].astype(v.dtype), mask_Bx1xT
-            x, _ = layer(x, positions_B[:, None], keys_fn)
-        return self._logits(x[:, 0]), {"k": ck, "v": cv}
 
+        def body(carry, block, i):
+            x, ck, cv = carry
+            q, k, v = block.qkv(x, positions_B[:, None])
+            # The cache rides in the carry and is written in place, one layer's rows at a time.
+            ck = ck.at[i, rows, cols_B].set(k[:, 0].astype(ck.dtype))
+            cv = cv.at[i, rows, cols_B].set(v[:, 0].astype(cv.dtype))
+            keys, values = ck[i].astype(k.dtype), cv[i].astype(v.dtype)
+            x = block.finish(x, attention.masked(q, keys, values, mask_Bx1xT))
+            return (x, ck, cv), None
+
+        (x, ck, cv), _ = self._scan(body, (x, cache["k"], cache["v"]), jnp.arange(self.cfg.n_layers))
+        return self._logits(x[:, 0]), {"k": ck, "v": cv}

@@ -30,7 +30,7 @@ from .checkpoint import Checkpointer, check_data_stream
 from .config import Config, ConfigError
 from .engine import Engine
 from .ledger import Ledger
-from .learner import Learner, build_batch, params_fingerprint
+from .learner import Learner, Row, build_batch, params_fingerprint
 from .lineage import RunLogs
 from .metrics import MetricsSink, StepClock, plot_rewards
 from .pump import Pump
@@ -239,8 +239,11 @@ def train(cfg: Config, log=None) -> RunResult:
                     reason = "data_exhausted"
                     break
                 groups = []  # this shard is done; the others still train, this process joins with no rows
-            batch = build_batch(groups, groups_per_step=local_pps, samples=G, prompt_len=cfg.engine.max_prompt_len,
-                                max_new=cfg.rollout.max_new_tokens, pad_id=tok.pad_id)
+            rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward)
+                    for g in groups for s in g.samples]
+            batch = build_batch(rows, n_rows=local_pps * G, prompt_len=cfg.engine.max_prompt_len,
+                                max_new=cfg.rollout.max_new_tokens, pad_id=tok.pad_id,
+                                bucket_min=cfg.learner.bucket_min)
             if sharding.agree([len(groups)]).sum() > 0:
                 state, dev_metrics = learner.step(state, batch, ref_params)
                 clock.dispatched(step + 1, dev_metrics)

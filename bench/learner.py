@@ -5,8 +5,8 @@ model, loss or optimizer logic (it drives the real `Learner`).
 
 What is timed: `Learner.step(state, batch)` (forward, GRPO loss, backward, grad-norm clip,
 AdamW update, metrics) on a fixed synthetic batch, blocking on every step's result, after
-a compile step and warm-up steps. The batch goes through `build_batch` from ledger
-`Group`s, as in training, so shapes, dtypes and shardings are the trainer's.
+a compile step and warm-up steps. The batch goes through `build_batch` from per-row
+records, as in training, so shapes, dtypes and shardings are the trainer's.
 
 What the FLOPs count (model FLOPs, not hardware FLOPs; recomputation or wasted work
 counts for nothing):
@@ -83,8 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from async_rl import config as cfg_lib  # noqa: E402
 import common  # noqa: E402  (bench/common.py, beside this file)
 from async_rl import sharding  # noqa: E402
-from async_rl.ledger import Group, Sample  # noqa: E402
-from async_rl.learner import Learner, build_batch  # noqa: E402
+from async_rl.learner import Learner, Row, build_batch  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -97,23 +96,22 @@ def block(x):
     return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
-def synthetic_groups(n_groups: int, samples: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
+def synthetic_rows(n_groups: int, samples: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
     """Full-width prompts and completions: every column is a real token, none is padding,
     so the FLOPs counted are all useful work (padding would be computed but not counted)."""
     rs = np.random.RandomState(seed)
-    groups = []
-    for g in range(n_groups):
-        ss = []
+    rows = []
+    for _ in range(n_groups):
+        completions = []
         for _ in range(samples):
-            toks = rs.randint(0, vocab, new_tokens).tolist()
+            toks = rs.randint(0, vocab, new_tokens).astype(np.int32)
             # Plausible behaviour logprobs near a uniform policy's, so importance weights
             # and clipping take both branches as in training.
-            lp = (np.log(1.0 / vocab) + 0.05 * rs.randn(new_tokens)).tolist()
-            ss.append(Sample(tokens=toks, logprobs=lp, versions=[0] * new_tokens, done=True,
-                             reward=float(rs.rand() < 0.5)))
-        groups.append(Group(ordinal=g, prompt_id=g, epoch=0, prompt="", answer="",
-                            prompt_tokens=rs.randint(0, vocab, prompt_len).astype(np.int32), samples=ss))
-    return groups
+            lp = (np.log(1.0 / vocab) + 0.05 * rs.randn(new_tokens)).astype(np.float32)
+            completions.append((toks, lp, float(rs.rand() < 0.5)))
+        prompt = rs.randint(0, vocab, prompt_len).astype(np.int32)
+        rows += [Row(prompt, toks, lp, np.zeros(new_tokens, np.int32), r) for toks, lp, r in completions]
+    return rows
 
 
 def param_counts(params) -> dict[str, int]:
@@ -190,9 +188,8 @@ def main(args):
     ref = learner.publishable(params) if learner.use_ref else None
     state = block(learner.init_state(params))
     counts = param_counts(state["params"])
-    groups = synthetic_groups(args.prompts, args.samples, P_, N_, args.vocab, args.seed)
-    batch = build_batch(groups, groups_per_step=args.prompts, samples=args.samples, prompt_len=P_,
-                        max_new=N_, pad_id=0)
+    rows = synthetic_rows(args.prompts, args.samples, P_, N_, args.vocab, args.seed)
+    batch = build_batch(rows, n_rows=B, prompt_len=P_, max_new=N_, pad_id=0)
     init_s = time.perf_counter() - t0
 
     sizes = sorted({max(args.peak_n // 4, 256), max(args.peak_n // 2, 256), args.peak_n})

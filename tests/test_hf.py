@@ -164,7 +164,7 @@ def test_logits_match_numpy_reference(tmp_path, arch):
     # every tensor sits in its target sharding (q.kernel is split over fsdp x tensor)
     for (name, p), (_, s) in zip(hf._flat(params)[0], hf._flat(shardings)[0]):
         assert p.get_value().sharding == s.get_value(), name
-    q = params["layers"][0]["attn"]["q"]["kernel"].get_value()
+    q = params["layers"]["attn"]["q"]["kernel"].get_value()
     assert len({str(sh.index) for sh in q.addressable_shards}) == 4
     tokens, positions = sample_inputs()
     ours = our_logits(graphdef, params, tokens, positions)
@@ -214,7 +214,7 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path):
     missing = dict(w)
     del missing["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(hf.HFError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' \(for parameter "
-                                         r"layers\.1\.mlp\.up\.kernel\) is missing"):
+                                         r"layers\.mlp\.up\.kernel\[1\]\) is missing"):
         load(write_checkpoint(tmp_path / "a", hc, missing))
     bad = dict(w, **{"model.layers.0.self_attn.k_proj.weight": np.zeros((16, 64), np.float32)})
     with pytest.raises(hf.HFError, match=r"k_proj\.weight.*model\.safetensors: shape \[16, 64\], expected \[32, 64\]"):
@@ -273,8 +273,8 @@ def test_learner_init_params_loads_the_checkpoint(tmp_path):
     params = learner.init_params()
     assert jax.tree.structure(params) == jax.tree.structure(learner.abstract_params)
     got = flat(params)
-    assert np.array_equal(got["layers.0.attn.q.bias"], w["model.layers.0.self_attn.q_proj.bias"])
-    assert np.array_equal(got["layers.1.mlp.down.kernel"], w["model.layers.1.mlp.down_proj.weight"].T)
+    assert np.array_equal(got["layers.attn.q.bias"][0], w["model.layers.0.self_attn.q_proj.bias"])
+    assert np.array_equal(got["layers.mlp.down.kernel"][1], w["model.layers.1.mlp.down_proj.weight"].T)
 
 
 # --- parity with transformers (make parity) ----------------------------------------------

@@ -1,4 +1,5 @@
-"""Transformer: parameter names and axes, decode path == full path, layout invariance."""
+"""Transformer: parameter names and axes, decode path == full path, layout invariance,
+attention kernels and rematerialisation agree with the plain path."""
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +8,12 @@ import pytest
 from flax import nnx
 
 from async_rl.config import ModelConfig
+from async_rl import attention
 from async_rl.model import Transformer, init_cache, layout
 
 V, P, N = 40, 8, 8
 T = P + N
-AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "mlp", None}
+AXIS_NAMES = {"layers", "vocab", "embed", "heads", "kv_heads", "mlp", None}
 
 VARIANTS = {
     "gqa_bias_untied": dict(n_heads=4, n_kv_heads=2, qkv_bias=True, tie_embeddings=False),
@@ -44,21 +46,22 @@ def test_param_paths_shapes_and_axes():
     d, f, hd = 32, 64, cfg.resolved_head_dim
     want = {"embed.embedding": ((V, d), ("vocab", "embed")), "final_norm.scale": ((d,), ("embed",)),
             "lm_head.kernel": ((d, V), ("embed", "vocab"))}
-    for i in range(cfg.n_layers):
-        want |= {
-            f"layers.{i}.attn_norm.scale": ((d,), ("embed",)),
-            f"layers.{i}.mlp_norm.scale": ((d,), ("embed",)),
-            f"layers.{i}.attn.q.kernel": ((d, 4 * hd), ("embed", "heads")),
-            f"layers.{i}.attn.k.kernel": ((d, 2 * hd), ("embed", "kv_heads")),
-            f"layers.{i}.attn.v.kernel": ((d, 2 * hd), ("embed", "kv_heads")),
-            f"layers.{i}.attn.o.kernel": ((4 * hd, d), ("heads", "embed")),
-            f"layers.{i}.attn.q.bias": ((4 * hd,), ("heads",)),
-            f"layers.{i}.attn.k.bias": ((2 * hd,), ("kv_heads",)),
-            f"layers.{i}.attn.v.bias": ((2 * hd,), ("kv_heads",)),
-            f"layers.{i}.mlp.gate.kernel": ((d, f), ("embed", "mlp")),
-            f"layers.{i}.mlp.up.kernel": ((d, f), ("embed", "mlp")),
-            f"layers.{i}.mlp.down.kernel": ((f, d), ("mlp", "embed")),
-        }
+    L = cfg.n_layers
+    stacked = {  # every block parameter carries a leading [n_layers] axis
+        "attn_norm.scale": ((d,), ("embed",)),
+        "mlp_norm.scale": ((d,), ("embed",)),
+        "attn.q.kernel": ((d, 4 * hd), ("embed", "heads")),
+        "attn.k.kernel": ((d, 2 * hd), ("embed", "kv_heads")),
+        "attn.v.kernel": ((d, 2 * hd), ("embed", "kv_heads")),
+        "attn.o.kernel": ((4 * hd, d), ("heads", "embed")),
+        "attn.q.bias": ((4 * hd,), ("heads",)),
+        "attn.k.bias": ((2 * hd,), ("kv_heads",)),
+        "attn.v.bias": ((2 * hd,), ("kv_heads",)),
+        "mlp.gate.kernel": ((d, f), ("embed", "mlp")),
+        "mlp.up.kernel": ((d, f), ("embed", "mlp")),
+        "mlp.down.kernel": ((f, d), ("mlp", "embed")),
+    }
+    want |= {f"layers.{k}": ((L,) + shape, ("layers",) + axes) for k, (shape, axes) in stacked.items()}
     got = flat_params(model)
     assert set(got) == set(want)
     for name, (shape, axes) in want.items():
@@ -154,3 +157,86 @@ def test_bf16_compute_tracks_fp32():
     p32 = jax.nn.softmax(fwd(m32, toks, pos, valid))
     p16 = jax.nn.softmax(fwd(m16, toks, pos, valid))
     assert float(jnp.abs(p32 - p16).max()) < 0.1
+
+
+# --- attention kernels and rematerialisation ------------------------------------------------
+
+def padded_rows(rs, T_, lengths):
+    """Left-padded rows (one fully padded) with completions that end early."""
+    toks = rs.randint(0, V, (len(lengths) + 1, T_)).astype(np.int32)
+    valid = np.zeros(toks.shape, bool)
+    pos = np.zeros(toks.shape, np.int32)
+    for b, (start, n) in enumerate(lengths):
+        valid[b, start:start + n] = True
+        pos[b, start:] = np.arange(T_ - start)
+    return toks, pos, valid
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_blockwise_attention_matches_the_plain_path(variant, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK", 8)  # several blocks (and a ragged last one) on a short row
+    _, model = make(scale=1.0, **VARIANTS[variant])
+    toks, pos, valid = padded_rows(np.random.RandomState(5), 21, [(3, 15), (0, 21), (12, 4)])
+    g, params = nnx.split(model)
+    spec = lambda impl: attention.Spec(impl)
+
+    def loss(p, impl):
+        logits = nnx.merge(g, p)(toks, pos, valid, attn=spec(impl))
+        return (jax.nn.log_softmax(logits) * valid[..., None]).sum(), logits
+
+    (l_x, logits_x), g_x = jax.jit(jax.value_and_grad(lambda p: loss(p, "xla"), has_aux=True))(params)
+    (l_b, logits_b), g_b = jax.jit(jax.value_and_grad(lambda p: loss(p, "blockwise"), has_aux=True))(params)
+    np.testing.assert_allclose(np.asarray(logits_b)[valid], np.asarray(logits_x)[valid], atol=1e-4, rtol=0)
+    assert bool(jnp.isfinite(logits_b).all())  # the fully padded row too
+    for a, b in zip(jax.tree.leaves(g_b), jax.tree.leaves(g_x)):
+        np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.abs(b).max()) + 1e-6, rtol=0)
+    # prefill's cache and logits take the same kernel
+    lg, cache = jax.jit(lambda *a: model.prefill(*a, attn=spec("blockwise")))(toks, pos, valid)
+    lg_x, cache_x = jax.jit(lambda *a: model.prefill(*a, attn=spec("xla")))(toks, pos, valid)
+    np.testing.assert_allclose(np.asarray(lg)[valid], np.asarray(lg_x)[valid], atol=1e-4, rtol=0)
+    # (pad columns' keys come from their own, never-read outputs)
+    np.testing.assert_allclose(np.asarray(cache["k"])[:, valid], np.asarray(cache_x["k"])[:, valid], atol=1e-4,
+                               rtol=0)
+
+
+def test_splash_kernel_matches_the_plain_path_in_interpret_mode():
+    # the TPU kernel itself, run by the Pallas interpreter on CPU: GQA, segment-id padding
+    rs = np.random.RandomState(6)
+    B, T_, H, G, D = 2, 40, 4, 2, 16
+    q, k, v = (jnp.asarray(rs.randn(B, T_, h, D), jnp.float32) for h in (H, G, G))
+    valid = np.zeros((B, T_), bool)
+    valid[0, 7:33] = True
+    valid[1, :] = True
+    ref = attention.masked(q, k, v, attention.causal_mask(jnp.asarray(valid)))
+    w = jnp.asarray(rs.randn(B, T_, H * D), jnp.float32) * valid[:, :, None]
+    f = lambda fn: jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    (_, g_ref) = f(lambda q, k, v: attention.masked(q, k, v, attention.causal_mask(jnp.asarray(valid))))
+    (_, g_spl) = f(lambda q, k, v: attention._splash_local(q, k, v, jnp.asarray(valid), interpret=True))
+    out = attention._splash_local(q, k, v, jnp.asarray(valid), interpret=True)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-4, rtol=0)
+    for a, b in zip(g_spl, g_ref):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("remat", ["block", "dots"])
+def test_remat_changes_memory_not_gradients(remat):
+    _, model = make(scale=1.0, **VARIANTS["gqa_bias_untied"])
+    toks, pos, valid = padded_rows(np.random.RandomState(7), 16, [(2, 14), (5, 6)])
+    g, params = nnx.split(model)
+
+    def grads(r):
+        f = lambda p: nnx.merge(g, p).hidden(toks, pos, valid, remat=r).sum()
+        return jax.jit(jax.grad(f))(params)
+
+    for a, b in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(grads("none"))):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=0)
+
+
+def test_attention_choices_resolve_per_platform():
+    assert attention.resolve("auto", "cpu", "float32").impl == "blockwise"
+    assert attention.resolve("auto", "tpu", "bfloat16").impl == "splash"
+    assert attention.resolve("auto", "gpu", "bfloat16") == attention.Spec("cudnn", strict=False)
+    assert attention.resolve("auto", "gpu", "float32").impl == "blockwise"  # cuDNN flash needs 16-bit
+    for bad, platform in (("splash", "cpu"), ("cudnn", "cpu"), ("flash", "cpu")):
+        with pytest.raises(ValueError, match="model.attention"):
+            attention.resolve(bad, platform, "float32")

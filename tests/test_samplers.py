@@ -9,7 +9,7 @@ from async_rl import config as C
 from async_rl import losses
 from async_rl.audit import audit
 from async_rl.ledger import Group, Sample
-from async_rl.learner import build_batch
+from async_rl.learner import Row, build_batch
 from async_rl.train import train
 from helpers import cfg, lineage, rollouts
 
@@ -84,7 +84,8 @@ def test_importance_weights_use_per_token_behaviour_logprobs():
               samples=[Sample(tokens=[5, 4, 2, 9], logprobs=[-0.5, -1.0, -0.2, -2.0], versions=[3, 3, 4, 4],
                               done=True, reward=1.0),
                        Sample(tokens=[4, 2], logprobs=[-0.1, -0.3], versions=[4, 4], done=True, reward=0.0)])
-    b = build_batch([g], groups_per_step=1, samples=2, prompt_len=6, max_new=5, pad_id=0)
+    rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward) for s in g.samples]
+    b = build_batch(rows, n_rows=2, prompt_len=6, max_new=5, pad_id=0)
     np.testing.assert_array_equal(b.behav_logp_BxN[0, :4], np.float32([-0.5, -1.0, -0.2, -2.0]))
     np.testing.assert_array_equal(b.versions_BxN[0, :4], [3, 3, 4, 4])
     assert b.mask_BxN[0].tolist() == [True] * 4 + [False] and b.mask_BxN[1].tolist() == [True] * 2 + [False] * 3
