@@ -41,12 +41,28 @@ CHOICES = ("auto", "xla", "blockwise", "cudnn", "splash")
 
 @dataclass(frozen=True)
 class Spec:
-    """A resolved kernel; `mesh` and the axes are what splash's shard_map splits over."""
+    """A resolved kernel and the mesh layout the model's activations keep: rows split over
+    `batch_axes`, heads and MLP features over `head_axis` (what splash's shard_map splits)."""
     impl: str  # xla | blockwise | cudnn | splash
     mesh: object = None
     batch_axes: tuple = ()
     head_axis: str | None = None
     strict: bool = True  # cudnn: False lets an unsupported shape fall back to blockwise
+
+    def shard(self, x, features: bool = False):
+        """`x` [B, ..., F] constrained to rows over the batch axes (and F over the head axis).
+
+        Without it the partitioner may keep an FSDP weight sharded on its input dim and
+        gather the activations' rows instead (every device then computes the whole batch)."""
+        if self.mesh is None:
+            return x
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        nb = int(np.prod([self.mesh.shape[a] for a in self.batch_axes])) if self.batch_axes else 1
+        rows = self.batch_axes if self.batch_axes and x.shape[0] % nb == 0 else None
+        nt = self.mesh.shape[self.head_axis] if self.head_axis else 1
+        last = self.head_axis if features and nt > 1 and x.shape[-1] % nt == 0 else None
+        spec = P(rows, *([None] * (x.ndim - 2)), last)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
 def resolve(choice: str, platform: str, dtype, mesh=None, batch_axes: tuple = (), head_axis=None) -> Spec:

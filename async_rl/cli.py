@@ -1,4 +1,4 @@
-"""Command line: `async-rl train|audit|export`. Parses, prints the resolved config, calls in.
+"""Command line: `async-rl train|audit|export|plan`. Parses, prints the resolved config, calls in.
 
 Owns: argument parsing, help that lists every config group and field, and the mapping
 from error kinds to exit codes (2: usage, config, bad data or checkpoint input; 1: a
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL post-training for LM policies on "
                                 "JAX, with every prompt trained exactly once per epoch across restarts.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_groups_help())
-    sub = p.add_subparsers(dest="cmd", metavar="{train,audit,export}")
+    sub = p.add_subparsers(dest="cmd", metavar="{train,audit,export,plan}")
     t = sub.add_parser("train", help="train (or resume) a run", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=_fields_help())
     t.add_argument("--config", help="YAML preset (e.g. configs/tiny.yaml)")
@@ -47,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     e.add_argument("--out", required=True, help="output directory")
+    pl = sub.add_parser("plan", help="compile the learner step ahead of time for a TPU topology (any host): "
+                        "memory per chip, XLA cost model, estimated step time and MFU bound")
+    pl.add_argument("--config", help="YAML preset (e.g. configs/plan/llama3-8b.yaml)")
+    pl.add_argument("--topology", required=True, help="v5e:2x4, v5p:4x4x2, v6e:4x4, ... (needs the [tpu] extra); "
+                    "cpu:N for N forced host devices with nominal figures")
+    pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    pl.add_argument("--hbm-gib", type=float, default=None, help="usable HBM per chip instead of the chip's")
+    pl.add_argument("--no-cost", action="store_true", help="memory only: skip the two cost-model compiles")
+    pl.add_argument("overrides", nargs="*", help="group.field=value")
     return p
 
 
@@ -76,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             return _err(str(e), 2)
         print(f"exported to {out}")
         return 0
+    if args.cmd == "plan":
+        return _plan(args)
     from . import hf
     try:
         cfg = hf.resolve(C.load(args.config, args.overrides))  # model.hf_path fills in the architecture
@@ -94,6 +105,27 @@ def main(argv: list[str] | None = None) -> int:
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
     return res.exit_code
+
+
+def _plan(args) -> int:
+    """Exit 0: the step fits; 1: it does not (the knobs to try are printed); 2: bad input."""
+    import os
+    import re
+    # Compiling needs no accelerator; forced host devices must be asked for before jax starts.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    m = re.fullmatch(r"cpu:(\d+)", args.topology)
+    if m and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={m.group(1)}").strip()
+    from . import hf
+    from .plan import format_report, plan
+    try:
+        cfg = hf.resolve(C.load(args.config, args.overrides))
+        rep = plan(cfg, args.topology, config_name=args.config or "", hbm_gib=args.hbm_gib, cost=not args.no_cost)
+    except C.ConfigError as e:
+        return _err(str(e), 2)
+    print(json.dumps(rep.as_json(), indent=1) if args.json else format_report(rep), flush=True)
+    return 0 if rep.fits else 1
 
 
 if __name__ == "__main__":

@@ -83,9 +83,8 @@ class Learner:
         platform = mesh.devices.flat[0].platform
         self.attn = attention.resolve(cfg.model.attention, platform, cfg.model.dtype, mesh, sharding.BATCH_AXES,
                                       "tensor")
-        # XLA:CPU runs the matmuls of a loop body on one core (small preset: 24% MFU scanned,
-        # 41% unrolled), and CPU models are shallow: unroll the layers there, scan elsewhere.
-        self._layer_unroll = True if platform == "cpu" else 1
+        self._layer_unroll = self.layer_unroll(platform)
+        self.gather = sharding.layer_gatherer(mesh, cfg.model.dtype)
         self._check_splits(cfg, mesh)
         self.tx = make_optimizer(cfg)
         abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size))
@@ -107,6 +106,12 @@ class Learner:
                              in_shardings=(self.state_sh, self.param_sh if self.use_ref else None,
                                            self._batch_shardings()),
                              out_shardings=(self.state_sh, sharding.replicated(mesh)))
+
+    @staticmethod
+    def layer_unroll(platform: str) -> bool | int:
+        """Layers per scan iteration. XLA:CPU runs a loop body's matmuls on one core, and CPU
+        models are shallow: unrolled there (True); scanned on accelerators (1)."""
+        return True if platform == "cpu" else 1
 
     # ---- state -------------------------------------------------------------------------
 
@@ -159,7 +164,8 @@ class Learner:
         t, n = b["tokens_BxT"].shape[1], b["completion_BxN"].shape[1]
         pb = t - n  # the batch's prompt width; its column 0 is the engine's column P - pb
         x = model.hidden(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"], col_offset=self.P - pb,
-                         attn=self.attn, remat=self.cfg.learner.remat, unroll=self.unroll or self._layer_unroll)
+                         attn=self.attn, remat=self.cfg.learner.remat, unroll=self.unroll or self._layer_unroll,
+                         gather=self.gather)
         x_c = x[:, pb - 1:pb + n - 1]  # column c-1 predicts column c
         return losses.completion_logprobs(model.logits, x_c, b["completion_BxN"], self.cfg.engine.temperature,
                                           self.cfg.learner.logits_chunk, unroll=self.unroll or 1)

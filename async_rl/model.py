@@ -182,7 +182,7 @@ class MLP(nnx.Module):
         self.up = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw)
         self.down = Linear(f, d, ("mlp", "embed"), std=1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers), **kw)
 
-    def __call__(self, x):
+    def __call__(self, x, shard=lambda y, features=False: y):
         rows = x.size // x.shape[-1]
         if rows < 4 * x.shape[-1]:  # decode: a few rows; stacking would copy the weights every token
             return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -192,7 +192,7 @@ class MLP(nnx.Module):
         dt = self.gate.dtype
         w_Dx2xF = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1).astype(dt)
         y = jnp.einsum("...d,dkf->...kf", x.astype(dt), w_Dx2xF)
-        return self.down(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
+        return self.down(shard(jax.nn.silu(y[..., 0, :]) * y[..., 1, :], features=True))
 
 
 class Block(nnx.Module):
@@ -207,10 +207,11 @@ class Block(nnx.Module):
     def qkv(self, x_BxTxD, positions_BxT):
         return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT)
 
-    def finish(self, x_BxTxD, attn_BxTxE):
-        """Output projection, residual and MLP, given the attention output."""
-        x = x_BxTxD + self.attn.o(attn_BxTxE)
-        return x + self.mlp(self.mlp_norm(x))
+    def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y):
+        """Output projection, residual and MLP, given the attention output; `shard` pins
+        activation layouts (`attention.Spec.shard`)."""
+        x = shard(x_BxTxD + self.attn.o(attn_BxTxE))
+        return shard(x + self.mlp(self.mlp_norm(x), shard))
 
 
 def _stack_blocks(blocks: list[Block], cfg: ModelConfig) -> Block:
@@ -269,13 +270,14 @@ class Transformer(nnx.Module):
         return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def _scan(self, body, carry, xs=None, *, remat: str = "none", unroll: bool | int = 1):
-        """Runs `body(carry, block, xs_i) -> (carry, y_i)` over the stacked blocks."""
+    def _scan(self, body, carry, xs=None, *, remat: str = "none", unroll: bool | int = 1, gather=None):
+        """Runs `body(carry, block, xs_i) -> (carry, y_i)` over the stacked blocks; `gather`
+        prepares one layer's parameters (e.g. `sharding.layer_gatherer`) inside the step."""
         graphdef, blocks = nnx.split(self.layers)
 
         def step(c, args):
             params, x_i = args
-            return body(c, nnx.merge(graphdef, params), x_i)
+            return body(c, nnx.merge(graphdef, gather(params) if gather else params), x_i)
 
         policy = _policy(remat)
         if remat != "none":
@@ -283,27 +285,28 @@ class Transformer(nnx.Module):
         return jax.lax.scan(step, carry, (blocks, xs), unroll=unroll)
 
     def _trunk(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat="none",
-               unroll=1, keep_cache=False):
+               unroll=1, gather=None, keep_cache=False):
         t = tokens_BxT.shape[1]
         spec = attn or default_attention(self.cfg)
         x = self._embed(tokens_BxT, jnp.arange(t)[None] + col_offset)
 
         def body(x, block, _):
-            q, k, v = block.qkv(x, positions_BxT)
-            x = block.finish(x, attention.self_attention(q, k, v, valid_BxT, spec))
+            q, k, v = block.qkv(spec.shard(x), positions_BxT)
+            x = block.finish(x, attention.self_attention(q, k, v, valid_BxT, spec), spec.shard)
             return x, ((k, v) if keep_cache else None)
 
-        x, kv = self._scan(body, x, remat=remat, unroll=unroll)
+        x, kv = self._scan(body, x, remat=remat, unroll=unroll, gather=gather)
         return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None)
 
     def hidden(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat: str = "none",
-               unroll: bool | int = 1):
+               unroll: bool | int = 1, gather=None):
         """Residual stream after the last block [B, T, D] (before the final norm).
 
         `attn`: a resolved `attention.Spec` (default: `model.attention` on the default
-        backend); `remat`: none | block | dots; `unroll`: layers per scan iteration (True: all)."""
+        backend); `remat`: none | block | dots; `unroll`: layers per scan iteration (True: all);
+        `gather`: see `_scan`."""
         return self._trunk(tokens_BxT, positions_BxT, valid_BxT, col_offset=col_offset, attn=attn, remat=remat,
-                           unroll=unroll)[0]
+                           unroll=unroll, gather=gather)[0]
 
     def logits(self, x):
         """fp32 logits from `hidden` output (any leading shape)."""

@@ -91,15 +91,40 @@ def batch_shards(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
-def spec_for(shape: tuple[int, ...], axes: tuple | None, mesh: Mesh) -> P:
-    """PartitionSpec from logical axes; an axis that does not divide its dim stays replicated."""
+def spec_for(shape: tuple[int, ...], axes: tuple | None, mesh: Mesh, skip: tuple = ()) -> P:
+    """PartitionSpec from logical axes; an axis that does not divide its dim stays replicated,
+    and so does one mapped to a mesh axis in `skip`."""
     if not axes:
         return P()
     out = []
     for dim, name in zip(shape, axes):
         m = RULES.get(name) if name else None
-        out.append(m if m and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
+        out.append(m if m and m not in skip and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
     return P(*out)
+
+
+def layer_gatherer(mesh: Mesh, dtype):
+    """For one layer's parameters inside the layer scan: cast matrices and biases to the
+    compute dtype, then all-gather them over fsdp (tensor-parallel splits stay). Without
+    it the partitioner may keep a weight split on its input dim and accumulate fp32
+    partial products of the activations instead (measured: 3x the bytes per layer on v5e)."""
+    dtype = jax.numpy.dtype(dtype)
+
+    def one(v):
+        axes = getattr(v, "axes", None)
+        x = v.get_value()
+        if axes is None:
+            return v
+        axes = axes[len(axes) - x.ndim:]  # a sliced stacked parameter keeps its "layers" name
+        if x.dtype != dtype and "embed" in axes and x.ndim >= 1 and axes != ("embed",):
+            x = x.astype(dtype)  # norm scales stay in their (fp32) dtype
+        if mesh.shape["fsdp"] > 1:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(x.shape, axes, mesh, skip=("fsdp",))))
+        return v.replace(x)
+
+    if mesh.shape["fsdp"] == 1 and jax.numpy.dtype(dtype) == jax.numpy.float32:
+        return None
+    return lambda state: jax.tree.map(one, state, is_leaf=_is_var)
 
 
 def _is_var(x) -> bool:

@@ -1,0 +1,440 @@
+"""`async-rl plan`: a run's learner step compiled ahead of time for a TPU topology, on any host.
+
+Owns: topology names -> compile-only devices (libtpu's topology descriptions; `cpu:N` for
+forced host devices), the learner mesh over them, chip figures (usable HBM as XLA enforces
+it, published peak bf16 FLOP/s and HBM bandwidth), compiling the step from abstract arrays
+(no parameter is ever allocated), reading XLA's memory analysis and cost model, the
+estimates made from them, and knobs to try when the step does not fit. Does not own: the
+step (learner), the config (config), printing (cli).
+
+What the numbers are:
+  memory   XLA's own accounting of the compiled step per chip: arguments (parameters,
+           optimizer state, the batch), temporaries, outputs not aliased to donated inputs.
+           Exact for the program that would run, up to runtime fragmentation.
+  FLOPs    XLA's cost model counts a loop body once, whatever its trip count. So a layer's
+           and a logits chunk's costs are compiled on their own and added for every
+           iteration beyond the counted one (see `_loop_cost`): the numbers are XLA's, the
+           multiplication is ours. Pallas kernels (splash) are opaque to it: their FLOPs are added
+           from the causal attention formula, their HBM traffic is not (K/V blocks are
+           re-read once per query block: hundreds of FLOPs per byte).
+  time     an estimate: max(FLOPs / peak, bytes accessed / HBM bandwidth), i.e. a roofline
+           with perfect overlap and no collective cost. MFU bound = model FLOPs (6 x
+           parameters x tokens + causal attention, per update pass; no recomputation) /
+           (estimated time x peak). Not a measurement.
+
+An engine part (prefill/decode compiled for the engine's devices) is meant to sit beside
+the learner part in `Report.parts`, adding `engine_bytes_per_chip` and
+`engine_bytes_accessed_per_decode_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from . import config as C
+from . import sharding
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes: int  # usable HBM per device, as the compiler enforces it
+    peak_flops: float  # published dense bf16 FLOP/s per device
+    hbm_bandwidth: float  # published HBM bytes/s per device
+
+
+# TPU figures: Cloud TPU system architecture pages; usable HBM from the compiler's own
+# out-of-memory message for each topology. v4 exposes each of a chip's 2 cores as a device.
+CHIPS = {
+    "TPU v5 lite": Chip("v5e", int(15.75 * GiB), 197e12, 819e9),
+    "TPU v5": Chip("v5p", int(95.74 * GiB), 459e12, 2765e9),
+    "TPU v6 lite": Chip("v6e", int(31.25 * GiB), 918e12, 1640e9),
+    "TPU v4": Chip("v4 (per core)", int(15.25 * GiB), 137.5e12, 614e9),
+}
+# Accelerators the benchmarks may run on (matched by substring of device_kind).
+GPUS = {
+    "H200": Chip("H200", 141 * 10 ** 9, 989e12, 4.8e12),
+    "H100": Chip("H100 SXM", 80 * 10 ** 9, 989e12, 3.35e12),
+    "A100": Chip("A100 SXM", 80 * 10 ** 9, 312e12, 2.04e12),
+}
+# Forced host devices have no published figures: nominal ones, so plan logic can be tested.
+NOMINAL_CPU = Chip("cpu (nominal figures)", 16 * GiB, 1e12, 1e11)
+
+
+def chip_for(device) -> Chip | None:
+    kind = getattr(device, "device_kind", "")
+    if kind in CHIPS:
+        return CHIPS[kind]
+    return next((c for k, c in GPUS.items() if k in kind), None)
+
+
+def topology(name: str) -> tuple[list, Chip]:
+    """(devices, chip) for "v5e:2x4"-style names (libtpu's topologies) or "cpu:N"."""
+    m = re.fullmatch(r"cpu:(\d+)", name)
+    if m:
+        n, devs = int(m.group(1)), jax.devices("cpu")
+        if n > len(devs):
+            raise C.ConfigError(f"--topology={name}: only {len(devs)} CPU devices (set XLA_FLAGS="
+                                f"--xla_force_host_platform_device_count={n} before starting)")
+        return devs[:n], NOMINAL_CPU
+    try:
+        from jax.experimental import topologies
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    except Exception as e:  # no libtpu, or a name libtpu does not know
+        why = str(e).splitlines()[0][:200]
+        raise C.ConfigError(f"--topology={name}: cannot describe this TPU topology ({why}); names look like "
+                            "v5e:2x4, v5p:4x4x2, v6e:4x4, and need libtpu: pip install -e '.[tpu]'") from None
+    devs = list(desc.devices)
+    chip = CHIPS.get(devs[0].device_kind)
+    if chip is None:
+        raise C.ConfigError(f"--topology={name}: no figures for device kind {devs[0].device_kind!r}")
+    return devs, chip
+
+
+def mesh_for(devices: list, mc: C.MeshConfig) -> Mesh:
+    """The learner mesh (data, fsdp, tensor) over `devices`, laid out for the TPU torus."""
+    rest = mc.fsdp * mc.tensor
+    data = mc.data if mc.data != -1 else len(devices) // rest
+    if data < 1 or data * rest != len(devices):
+        raise C.ConfigError(f"mesh.data={mc.data} mesh.fsdp={mc.fsdp} mesh.tensor={mc.tensor}: product must "
+                            f"equal the topology's {len(devices)} devices")
+    shape = (data, mc.fsdp, mc.tensor)
+    if devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    else:
+        grid = np.array(devices).reshape(shape)
+    return Mesh(grid, sharding.AXES)
+
+
+@dataclass
+class Part:
+    """One compiled program's per-chip figures (bytes, FLOPs; seconds where stated)."""
+    name: str
+    fits: bool
+    compile_s: float
+    params_bytes: int = 0
+    opt_bytes: int = 0
+    batch_bytes: int = 0
+    temp_bytes: int = 0
+    other_bytes: int = 0  # outputs not aliased to donated inputs, generated code
+    total_bytes: int = 0
+    flops: float = 0.0  # XLA cost model, every loop iteration counted, plus kernel FLOPs
+    kernel_flops: float = 0.0  # of which: Pallas attention kernels, from the formula
+    bytes_accessed: float = 0.0
+    model_flops: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class Report:
+    config: str
+    topology: str
+    chip: Chip
+    devices: int
+    mesh: dict
+    parts: dict = field(default_factory=dict)
+    knobs: list = field(default_factory=list)  # overrides to try when something does not fit
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.parts.values())
+
+    def estimates(self) -> dict:
+        lp = self.parts.get("learner")
+        if lp is None or not lp.fits or not lp.flops:
+            return {"est_step_s": None, "est_mfu": None, "bound": None}
+        t_flops, t_bytes = lp.flops / self.chip.peak_flops, lp.bytes_accessed / self.chip.hbm_bandwidth
+        step = max(t_flops, t_bytes)
+        return {"est_step_s": step, "est_mfu": lp.model_flops / (step * self.chip.peak_flops),
+                "bound": "compute" if t_flops >= t_bytes else "memory"}
+
+    def as_json(self) -> dict:
+        lp = self.parts.get("learner")
+        out = {"fits": self.fits, "config": self.config, "topology": self.topology, "chip": self.chip.name,
+               "devices": self.devices, "mesh": self.mesh, "hbm_bytes": self.chip.hbm_bytes,
+               "peak_flops_per_chip": self.chip.peak_flops, "hbm_bandwidth_per_chip": self.chip.hbm_bandwidth}
+        if lp is not None:
+            out.update(learner_bytes_per_chip=lp.total_bytes, learner_params_bytes_per_chip=lp.params_bytes,
+                       learner_opt_bytes_per_chip=lp.opt_bytes, learner_temp_bytes_per_chip=lp.temp_bytes,
+                       flops_per_chip=lp.flops, kernel_flops_per_chip=lp.kernel_flops,
+                       bytes_accessed_per_chip=lp.bytes_accessed, model_flops_per_chip=lp.model_flops,
+                       learner_compile_s=lp.compile_s, learner_error=lp.error or None)
+        out.update(self.estimates())
+        out["knobs"] = self.knobs
+        return out
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape)
+        total += int(np.prod(shape)) * jnp.dtype(a.dtype).itemsize
+    return total
+
+
+def _abstract_batch(learner, rows: int, width: int, new: int) -> dict:
+    shapes = {"tokens_BxT": ((rows, width), jnp.int32), "positions_BxT": ((rows, width), jnp.int32),
+              "valid_BxT": ((rows, width), jnp.bool_), "completion_BxN": ((rows, new), jnp.int32),
+              "behav_logp_BxN": ((rows, new), jnp.float32), "mask_BxN": ((rows, new), jnp.bool_),
+              "rewards_B": ((rows,), jnp.float32), "row_valid_B": ((rows,), jnp.bool_)}
+    sh = learner._batch_shardings()
+    return {k: jax.ShapeDtypeStruct(s, dt, sharding=sh[k]) for k, (s, dt) in shapes.items()}
+
+
+def _lower(cfg: C.Config, vocab: int, mesh: Mesh, unroll: bool):
+    from .learner import Learner
+    learner = Learner(cfg, vocab, mesh, log=lambda _: None, unroll=unroll)
+    state = learner.abstract_state()
+    ref = state["params"] if learner.use_ref else None
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    batch = _abstract_batch(learner, rows, cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens,
+                            cfg.rollout.max_new_tokens)
+    return learner, state, ref, batch, learner._step.lower(state, ref, batch)
+
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)", re.S)
+
+
+def _oom_bytes(msg: str) -> int | None:
+    m = _OOM.search(msg)
+    if not m:
+        return None
+    unit = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
+    return int(float(m.group(1)) * unit[m.group(2)])
+
+
+def _cost(compiled) -> tuple[float, float]:
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+
+
+def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool = True) -> Part:
+    """Compiles the step; on success also the two cost twins (unless `cost` is False)."""
+    learner, state, ref, batch, lowered = _lower(cfg, vocab, mesh, unroll=False)
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the compiler's out-of-memory (or another refusal), reported as such
+        msg = str(e)
+        need = _oom_bytes(msg)
+        return Part("learner", False, time.perf_counter() - t0, params_bytes=_shard_bytes(state["params"]),
+                    opt_bytes=_shard_bytes(state["opt"]), total_bytes=need or 0,
+                    error=msg.splitlines()[0][:400] if need is None else f"needs {need / GiB:.2f} GiB per chip")
+    compile_s = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    params, opt, batch_b = _shard_bytes(state["params"]), _shard_bytes(state["opt"]), _shard_bytes(batch)
+    args = ma.argument_size_in_bytes
+    other = max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
+    total = args + ma.temp_size_in_bytes + other
+    part = Part("learner", total <= chip.hbm_bytes, compile_s, params_bytes=params, opt_bytes=opt,
+                batch_bytes=batch_b, temp_bytes=ma.temp_size_in_bytes, other_bytes=other + args - params - opt
+                - batch_b - (_shard_bytes(ref) if ref is not None else 0), total_bytes=total)
+    part.model_flops = model_flops(cfg, vocab) / mesh.size
+    if cost:
+        part.flops, part.bytes_accessed = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled))))
+        if learner.attn.impl == "splash":
+            part.kernel_flops = kernel_flops(cfg) / mesh.size
+            part.flops += part.kernel_flops
+    return part
+
+
+def _loop_cost(cfg: C.Config, learner, mesh: Mesh, counted: np.ndarray) -> np.ndarray:
+    """Per-chip (FLOPs, bytes accessed) of the step with every loop iteration counted.
+
+    `counted` is XLA's cost of the compiled step, where each loop body counts once: one
+    layer, one logits chunk, one micro-batch, one update. The layer and the chunk are
+    nearly all of a step, so their costs are compiled on their own at one micro-batch's
+    shape (a layer: 2 layers minus 1, unrolled, forward and backward with the step's remat
+    and kernel) and added for every iteration the step runs beyond the one counted. What
+    is not scaled (embedding, loss, accumulation: once per micro-batch) is small."""
+    lc, m = cfg.learner, cfg.model
+    rows, P, N = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, learner.P, learner.N
+    per_update = rows // lc.minibatches
+    R = lc.micro_batch_rows if lc.micro_batch_rows and lc.micro_batch_rows < per_update else per_update
+    k, u = per_update // R, lc.ppo_epochs * lc.minibatches
+    chunk = lc.logits_chunk if lc.logits_chunk and lc.logits_chunk < N else N
+    n_c = -(-N // chunk)
+    seen = m.n_layers if learner._layer_unroll is True else 1  # layers XLA saw in the counted body
+    layer_fb, chunk_fb = _layer_cost(cfg, learner, mesh, R, grad=True), _chunk_cost(cfg, learner, mesh, R, chunk, True)
+    total = counted + (u * k * m.n_layers - seen) * layer_fb + (u * k * n_c - 1) * chunk_fb
+    fwd_passes = [u * k] * (lc.kl_coef > 0)  # the reference model, once per micro-batch
+    if u > 1 and lc.is_correction != "none":  # pi_prox, over all rows, in micro-batches
+        fwd_passes.append(rows // R)
+    if fwd_passes:
+        layer_f, chunk_f = _layer_cost(cfg, learner, mesh, R, grad=False), _chunk_cost(cfg, learner, mesh, R, chunk,
+                                                                                         False)
+        for n in fwd_passes:
+            total = total + (n * m.n_layers - seen) * layer_f + (n * n_c - 1) * chunk_f
+    return total
+
+
+def _abstract(shape, dtype, sh):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+
+def _model_at(cfg: C.Config, learner, layers: int):
+    from flax import nnx
+
+    from .model import Transformer
+    mc = dataclasses.replace(cfg.model, n_layers=layers)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(mc, learner.vocab_size, rngs=nnx.Rngs(0))),
+                                 nnx.Param)
+    sh = sharding.param_shardings(params, learner.mesh)
+    params = jax.tree.map(lambda a, s: _abstract(a.shape, a.dtype, s), params, sh)
+    return graphdef, params
+
+
+def _layer_cost(cfg: C.Config, learner, mesh: Mesh, rows: int, grad: bool) -> np.ndarray:
+    from flax import nnx
+    T = learner.P + learner.N
+    batch = sharding.batch_sharding(mesh, 2)
+    args = (_abstract((rows, T), jnp.int32, batch), _abstract((rows, T), jnp.int32, batch),
+            _abstract((rows, T), jnp.bool_, batch))
+
+    def cost(layers: int) -> np.ndarray:
+        graphdef, params = _model_at(cfg, learner, layers)
+
+        def f(p, tokens, positions, valid):
+            x = nnx.merge(graphdef, p).hidden(tokens, positions, valid, attn=learner.attn, remat=cfg.learner.remat,
+                                              unroll=True, gather=learner.gather)
+            return x.astype(jnp.float32).sum()
+
+        return np.array(_cost(jax.jit(jax.grad(f) if grad else f).lower(params, *args).compile()))
+
+    return cost(2) - cost(1)
+
+
+def _chunk_cost(cfg: C.Config, learner, mesh: Mesh, rows: int, chunk: int, grad: bool) -> np.ndarray:
+    from flax import nnx
+
+    from . import losses
+    graphdef, params = _model_at(cfg, learner, 1)
+    x = _abstract((rows, chunk, cfg.model.d_model), jnp.dtype(cfg.model.dtype), sharding.batch_sharding(mesh, 3))
+    tok = _abstract((rows, chunk), jnp.int32, sharding.batch_sharding(mesh, 2))
+
+    def f(p, x, tok):
+        one = lambda x: losses.completion_logprobs(nnx.merge(graphdef, p).logits, x, tok, 1.0)
+        logp, ent = jax.checkpoint(one)(x) if grad else one(x)
+        return (logp + ent).sum()
+
+    fn = jax.grad(f, argnums=(0, 1)) if grad else f
+    return np.array(_cost(jax.jit(fn).lower(params, x, tok).compile()))
+
+
+def _passes(cfg: C.Config) -> tuple[int, int]:
+    """(forward+backward passes over the step's rows, extra forward-only passes)."""
+    lc = cfg.learner
+    fwd_only = int(lc.ppo_epochs * lc.minibatches > 1 and lc.is_correction != "none")  # pi_prox
+    fwd_only += lc.ppo_epochs * int(lc.kl_coef > 0)  # the reference model, with every update
+    return lc.ppo_epochs, fwd_only
+
+
+def model_flops(cfg: C.Config, vocab: int) -> float:
+    """Useful FLOPs of one step: 6 N D for the trunk over all columns, the vocabulary
+    projection at completion columns only, causal attention; no recomputation."""
+    m = cfg.model
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    P, N = cfg.engine.max_prompt_len, cfg.rollout.max_new_tokens
+    T, hd = P + N, m.resolved_head_dim
+    trunk = m.n_layers * (m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff)
+    per_pass = 2 * trunk * rows * T + 2 * m.d_model * vocab * rows * N + 2 * m.n_layers * m.n_heads * hd * T * T * rows
+    fb, fwd = _passes(cfg)
+    return 3.0 * per_pass * fb + per_pass * fwd
+
+
+def kernel_flops(cfg: C.Config) -> float:
+    """FLOPs inside the splash kernels: per causal matmul H hd T^2 per row and layer; 2 in
+    the forward, 7 in the backward (dq: 3, dk/dv: 4), 2 more when blocks are rematerialised."""
+    m, lc = cfg.model, cfg.learner
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    T = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
+    unit = m.n_heads * m.resolved_head_dim * T * T * rows * m.n_layers
+    fb, fwd = _passes(cfg)
+    return unit * (fb * (9 + 2 * (lc.remat != "none")) + 2 * fwd)
+
+
+def suggest(cfg: C.Config, part: Part, chip: Chip, mesh: Mesh) -> list[str]:
+    """Overrides likely to bring the learner under the chip's HBM (to verify with another plan)."""
+    lc, out = cfg.learner, []
+    shards = sharding.batch_shards(mesh)
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // lc.minibatches
+    state = part.params_bytes + part.opt_bytes
+    if lc.remat == "none":
+        out.append("learner.remat=block")
+    if not lc.logits_chunk or lc.logits_chunk > 256:
+        out.append(f"learner.logits_chunk={min(256, cfg.rollout.max_new_tokens)}")
+    budget = chip.hbm_bytes * 0.9 - state - part.batch_bytes
+    micro = lc.micro_batch_rows or rows
+    if part.total_bytes > chip.hbm_bytes and budget > 0:
+        act = max(part.total_bytes - state - part.batch_bytes, 1)
+        want = int(micro * budget / act) // shards * shards
+        if shards <= want < micro:
+            while rows % want:
+                want -= shards
+            out.append(f"learner.micro_batch_rows={want}")
+    if state > chip.hbm_bytes / 3:
+        out.append(f"mesh.fsdp={mesh.shape['fsdp'] * mesh.shape['data']} mesh.data=1")
+        if cfg.model.param_dtype == "float32":
+            out.append("model.param_dtype=bfloat16")
+    if lc.micro_batch_rows and lc.micro_batch_rows > shards:
+        out.append(f"learner.micro_batch_rows={shards}")
+    return out
+
+
+def plan(cfg: C.Config, topology_name: str, *, config_name: str = "", hbm_gib: float | None = None,
+         cost: bool = True) -> Report:
+    devices, chip = topology(topology_name)
+    if hbm_gib:
+        chip = dataclasses.replace(chip, hbm_bytes=int(hbm_gib * GiB))
+    mesh = mesh_for(devices, cfg.mesh)
+    vocab = cfg.model.vocab_size
+    if not vocab:
+        raise C.ConfigError("model.vocab_size=0: plan needs the vocabulary size (set it, or model.hf_path)")
+    rep = Report(config_name, topology_name, chip, len(devices), dict(mesh.shape))
+    rep.parts["learner"] = part = learner_part(cfg, vocab, mesh, chip, cost=cost)
+    if not part.fits:
+        rep.knobs = suggest(cfg, part, chip, mesh)
+    return rep
+
+
+def format_report(rep: Report) -> str:
+    g = lambda b: f"{b / GiB:8.2f} GiB"
+    lp = rep.parts["learner"]
+    lines = [f"plan: {rep.config or 'config'} on {rep.topology}: {rep.devices} x {rep.chip.name}, "
+             f"mesh {' x '.join(f'{k} {v}' for k, v in rep.mesh.items())}",
+             f"learner step, per chip (XLA memory analysis; compiled in {lp.compile_s:.1f} s):",
+             f"  parameters       {g(lp.params_bytes)}", f"  optimizer state  {g(lp.opt_bytes)}"]
+    if lp.error:
+        lines.append(f"  total            {g(lp.total_bytes)}  ({lp.error})" if lp.total_bytes else f"  {lp.error}")
+    else:
+        lines += [f"  batch            {g(lp.batch_bytes)}", f"  temporaries      {g(lp.temp_bytes)}",
+                  f"  other            {g(lp.other_bytes)}", f"  total            {g(lp.total_bytes)}"]
+    lines.append(f"  of HBM           {g(rep.chip.hbm_bytes)}  -> {'fits' if lp.fits else 'DOES NOT FIT'}")
+    est = rep.estimates()
+    if lp.flops:
+        lines += [f"cost model, per chip: {lp.flops / 1e12:,.1f} TFLOP (of which {lp.kernel_flops / 1e12:,.1f} in "
+                  f"attention kernels, by formula), {lp.bytes_accessed / 1e9:,.1f} GB accessed; model "
+                  f"{lp.model_flops / 1e12:,.1f} TFLOP",
+                  f"  at {rep.chip.peak_flops / 1e12:.0f} TFLOP/s and {rep.chip.hbm_bandwidth / 1e9:,.0f} GB/s "
+                  f"(published): compute {lp.flops / rep.chip.peak_flops:.2f} s, memory "
+                  f"{lp.bytes_accessed / rep.chip.hbm_bandwidth:.2f} s"]
+    if est["est_step_s"]:
+        lines.append(f"ESTIMATE (roofline, no collectives): step {est['est_step_s']:.2f} s, {est['bound']}-bound, "
+                     f"MFU bound {est['est_mfu']:.0%}")
+    if rep.knobs:
+        lines.append("does not fit; try: " + " ".join(rep.knobs))
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""`async-rl plan` on forced CPU devices (no libtpu needed): memory per chip from the compiled
+step, loop iterations counted in the cost, the fit verdict, exit codes and --json."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from async_rl import cli
+from async_rl import config as C
+from async_rl import plan as PL
+from async_rl.learner import Learner
+
+BASE = ["model.vocab_size=64", "model.learned_positions=0", "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4", "engine.max_prompt_len=8", "rollout.max_new_tokens=8", "mesh.fsdp=4",
+        "model.n_layers=3"]
+
+
+def cfg_of(*extra):
+    return C.load("configs/tiny.yaml", BASE + list(extra))
+
+
+def test_memory_is_the_compiled_steps_and_state_is_split_over_fsdp():
+    cfg = cfg_of()
+    rep = PL.plan(cfg, "cpu:4", cost=False)
+    lp = rep.parts["learner"]
+    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(
+        Learner(cfg, 64, PL.mesh_for(jax.devices()[:4], cfg.mesh)).abstract_params))
+    # fp32 parameters split 4 ways (a few small ones, e.g. norm scales of odd size, may stay whole)
+    assert n_params * 4 / 4 <= lp.params_bytes <= n_params * 4 / 4 * 1.1
+    assert lp.opt_bytes == pytest.approx(2 * lp.params_bytes, rel=0.01)  # Adam's two moments
+    assert lp.fits and lp.total_bytes >= lp.params_bytes + lp.opt_bytes + lp.temp_bytes
+    assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+@pytest.mark.parametrize("extra", [[], ["learner.micro_batch_rows=8", "learner.logits_chunk=4", "learner.remat=block"]])
+def test_cost_counts_every_loop_iteration(extra, monkeypatch):
+    # XLA counts a loop body once; the plan's cost must match a compile with every loop unrolled
+    monkeypatch.setattr(Learner, "layer_unroll", staticmethod(lambda platform: 1))  # scan layers, as on TPU
+    cfg = cfg_of(*extra)
+    mesh = PL.mesh_for(jax.devices()[:4], cfg.mesh)
+    part = PL.learner_part(cfg, 64, mesh, PL.NOMINAL_CPU)
+    _, _, _, _, lowered = PL._lower(cfg, 64, mesh, unroll=True)
+    flops, nbytes = PL._cost(lowered.compile())
+    assert part.flops == pytest.approx(flops, rel=0.05)
+    rolled = PL._cost(PL._lower(cfg, 64, mesh, unroll=False)[-1].compile())[0]
+    assert rolled < 0.7 * flops  # what XLA alone says of the scanned step
+    assert part.model_flops == pytest.approx(PL.model_flops(cfg, 64) / 4)
+
+
+def test_not_fitting_exits_1_and_names_knobs(capsys):
+    code = cli.main(["plan", "--config", "configs/tiny.yaml", "--topology", "cpu:4", "--hbm-gib", "0.0001",
+                     "--no-cost", *BASE])
+    out = capsys.readouterr().out
+    assert code == 1 and "DOES NOT FIT" in out and "learner.remat=block" in out
+
+
+def test_json_has_the_fields_and_estimates(capsys):
+    code = cli.main(["plan", "--config", "configs/tiny.yaml", "--topology", "cpu:4", "--json", *BASE])
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 0 and rep["fits"] is True
+    for k in ("hbm_bytes", "learner_bytes_per_chip", "flops_per_chip", "bytes_accessed_per_chip", "est_step_s",
+              "est_mfu"):
+        assert rep[k] > 0, k
+    assert rep["est_step_s"] == pytest.approx(max(rep["flops_per_chip"] / rep["peak_flops_per_chip"],
+                                                  rep["bytes_accessed_per_chip"] / rep["hbm_bandwidth_per_chip"]))
+
+
+@pytest.mark.parametrize("topology, extra, needle", [
+    ("cpu:64", [], "only 4 CPU devices"),
+    ("cpu:4", ["mesh.fsdp=3"], "mesh.data"),
+    ("cpu:4", ["model.vocab_size=0"], "model.vocab_size"),
+])
+def test_bad_input_exits_2(topology, extra, needle, capsys):
+    code = cli.main(["plan", "--config", "configs/tiny.yaml", "--topology", topology, *BASE, *extra])
+    assert code == 2 and needle in capsys.readouterr().err
