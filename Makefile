@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test soak parity bench clean
+.PHONY: venv train test soak parity bench bench-accel plan plan-ci clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,32 @@ bench: $(STAMP)
 	$(BIN)/python bench/async.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/load.py
+
+# Every benchmark on this host's accelerator in one command (< 8 min; prints the chip). With
+# no .venv it uses the host's own python3 and JAX (e.g. a GPU image's jax 0.11 + CUDA
+# plugins) and installs nothing; benchmarks needing packages the host lacks are skipped.
+# ARGS=--quick: tiny sizes, to check on a CPU that every part runs.
+ACCEL_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+bench-accel:
+	$(ACCEL_PY) bench/accel.py $(ARGS)
+
+# Ahead-of-time compile of the learner step for a TPU topology, on any host (libtpu compiles;
+# no TPU is needed): memory per chip, XLA cost model, estimated step time and MFU bound.
+TPU_STAMP   := $(VENV)/.installed-tpu
+PLAN_CONFIG ?= configs/plan/qwen2.5-0.5b.yaml
+TOPOLOGY    ?= v5e:2x4
+$(TPU_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,tpu]"
+	@touch $(TPU_STAMP)
+
+plan: $(TPU_STAMP)
+	$(BIN)/async-rl plan --config $(PLAN_CONFIG) --topology $(TOPOLOGY) $(ARGS)
+
+# CI: one small plan on a real TPU topology (seconds of compile; splash attention, remat,
+# micro-batches and logit chunks all compiled for TPU).
+plan-ci: $(TPU_STAMP)
+	$(BIN)/async-rl plan --config configs/tiny.yaml --topology v5e:2x2 model.vocab_size=16 learner.remat=block \
+		learner.micro_batch_rows=64 learner.logits_chunk=4
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

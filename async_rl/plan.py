@@ -411,6 +411,13 @@ def plan(cfg: C.Config, topology_name: str, *, config_name: str = "", hbm_gib: f
     return rep
 
 
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if abs(x) >= scale:
+            return f"{x / scale:,.1f} {prefix}{unit}"
+    return f"{x:,.0f} {unit}"
+
+
 def format_report(rep: Report) -> str:
     g = lambda b: f"{b / GiB:8.2f} GiB"
     lp = rep.parts["learner"]
@@ -426,9 +433,9 @@ def format_report(rep: Report) -> str:
     lines.append(f"  of HBM           {g(rep.chip.hbm_bytes)}  -> {'fits' if lp.fits else 'DOES NOT FIT'}")
     est = rep.estimates()
     if lp.flops:
-        lines += [f"cost model, per chip: {lp.flops / 1e12:,.1f} TFLOP (of which {lp.kernel_flops / 1e12:,.1f} in "
-                  f"attention kernels, by formula), {lp.bytes_accessed / 1e9:,.1f} GB accessed; model "
-                  f"{lp.model_flops / 1e12:,.1f} TFLOP",
+        lines += [f"cost model, per chip: {_si(lp.flops, 'FLOP')} (of which {_si(lp.kernel_flops, 'FLOP')} in "
+                  f"attention kernels, by formula), {_si(lp.bytes_accessed, 'B')} accessed; model "
+                  f"{_si(lp.model_flops, 'FLOP')}",
                   f"  at {rep.chip.peak_flops / 1e12:.0f} TFLOP/s and {rep.chip.hbm_bandwidth / 1e9:,.0f} GB/s "
                   f"(published): compute {lp.flops / rep.chip.peak_flops:.2f} s, memory "
                   f"{lp.bytes_accessed / rep.chip.hbm_bandwidth:.2f} s"]

@@ -16,21 +16,27 @@ counts for nothing):
             and backward through the trunk, because prompt keys/values feed the completion.
             The output projection (d x V) is only needed at the N columns whose logits enter
             the loss. The input embedding is a gather: 0 FLOPs.
-  attention 12 * L * H * hd * T per token (QK^T and PV, forward 4, backward 8, over the
-            full T x T square; a causal kernel would need half).
+  attention 12 * L * H * hd * T per token (QK^T and PV, forward 4, backward 8) over the
+            full T x T square when the plain path computes it (rows no wider than one
+            attention block), half of it (the causal triangle) when a blockwise, cuDNN or
+            splash kernel skips the masked blocks.
 The reference-model forward (KL penalty) is not counted and not run unless --kl-coef > 0;
 then 2 * (N_trunk * B*T + d*V*B*N) + 4*L*H*hd*T*B*T are added for it.
 
-The peak is the fastest square fp32 (or --dtype) `jnp.dot` of a few sizes (up to
---peak-n) on the same devices in the same process, timed after warm-up (best of several),
-sharded by rows over the learner mesh so every device works. It is measured before and
-after the steps and the better is used, so a burst of load from other processes during
-one of the two does not inflate the MFU.
+The peak (--peak measured, the default) is the fastest square fp32 (or --dtype) `jnp.dot`
+of a few sizes (up to --peak-n) on the same devices in the same process, timed after
+warm-up (best of several), sharded by rows over the learner mesh so every device works.
+It is measured before and after the steps and the better is used, so a burst of load
+from other processes during one of the two does not inflate the MFU. --peak spec uses
+the chip's published dense bf16 FLOP/s instead (TPUs and H100/H200/A100; see
+async_rl.plan), the figure MFU is usually quoted against.
 
     python bench/learner.py                   # small preset, fp32, 4 prompts x 4 samples x 96 columns
     python bench/learner.py --prompts 2 --samples 8 --prompt-len 64 --new-tokens 128   # preset row width
     python bench/learner.py --devices 2 --data 2   # 2 forced CPU devices, data parallel
     python bench/learner.py --kl-coef 0.05         # with the reference-model forward
+    python bench/learner.py --config configs/plan/qwen2.5-0.5b.yaml --vocab 151936 --dtype preset \
+        --prompts 8 --samples 8 --prompt-len 512 --new-tokens 1536 --peak spec   # 0.5B shape, accelerator
 """
 
 from __future__ import annotations
@@ -46,9 +52,12 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/small.yaml", help="preset whose model section is used")
     ap.add_argument("--vocab", type=int, default=512, help="vocabulary size (the preset leaves it to the tokenizer)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "preset"),
                     help="compute and parameter dtype; the peak dot uses the same one (float32 by default, "
-                         "where the preset says bfloat16, so CPUs without bf16 units are not penalised)")
+                         "where the preset says bfloat16, so CPUs without bf16 units are not penalised); "
+                         "preset: the preset's model.dtype and model.param_dtype")
+    ap.add_argument("--peak", default="measured", choices=("measured", "spec"),
+                    help="MFU against a matmul measured here, or the chip's published bf16 peak")
     ap.add_argument("--prompts", type=int, default=4, help="groups per step (rollout.prompts_per_step)")
     ap.add_argument("--samples", type=int, default=4, help="completions per group (rollout.samples_per_prompt)")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt width P (engine.max_prompt_len)")
@@ -65,6 +74,7 @@ def parse_args():
                     help="largest side of the square matmuls that set the peak (n/4 and n/2 are tried too)")
     ap.add_argument("--target", type=float, default=0.30, help="MFU target printed with the result")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="further config overrides, group.field=value")
     return ap.parse_args()
 
 
@@ -82,7 +92,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from async_rl import config as cfg_lib  # noqa: E402
 import common  # noqa: E402  (bench/common.py, beside this file)
-from async_rl import sharding  # noqa: E402
+from async_rl import attention, sharding  # noqa: E402
+from async_rl.plan import chip_for  # noqa: E402
 from async_rl.learner import Learner, Row, build_batch  # noqa: E402
 
 
@@ -130,15 +141,17 @@ def param_counts(params) -> dict[str, int]:
     return out
 
 
-def model_flops(mc, vocab: int, n_trunk: int, B: int, T: int, N: int, with_ref: bool) -> dict[str, float]:
+def model_flops(mc, vocab: int, n_trunk: int, B: int, T: int, N: int, with_ref: bool,
+                causal: bool = False) -> dict[str, float]:
     L, H, hd, d = mc.n_layers, mc.n_heads, mc.resolved_head_dim, mc.d_model
+    square = 0.5 if causal else 1.0
     out = {
         "trunk": 6.0 * n_trunk * B * T,
         "head": 6.0 * d * vocab * B * N,  # tied or untied, the projection costs the same
-        "attention": 12.0 * L * H * hd * T * B * T,
+        "attention": 12.0 * L * H * hd * T * B * T * square,
     }
     if with_ref:
-        out["ref forward"] = 2.0 * (n_trunk * B * T + d * vocab * B * N) + 4.0 * L * H * hd * T * B * T
+        out["ref forward"] = 2.0 * (n_trunk * B * T + d * vocab * B * N) + 4.0 * L * H * hd * T * B * T * square
     return out
 
 
@@ -169,13 +182,15 @@ def _dot_flops(mesh, n: int, dtype, reps: int) -> tuple[float, int]:
 
 
 def main(args):
-    overrides = [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}",
-                 f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
+    dtypes = [] if args.dtype == "preset" else [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
+    overrides = [*dtypes, f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
                  f"engine.max_prompt_len={args.prompt_len}", f"rollout.max_new_tokens={args.new_tokens}",
                  f"learner.kl_coef={args.kl_coef}", f"mesh.data={args.data}", f"mesh.fsdp={args.fsdp}",
                  f"mesh.tensor={args.tensor}", f"run.seed={args.seed}",
-                 "train.max_steps=1000"]  # a horizon for the preset's cosine schedule; no effect on cost
+                 "train.max_steps=1000",  # a horizon for the preset's cosine schedule; no effect on cost
+                 *args.overrides]
     cfg = cfg_lib.load(args.config, overrides)
+    dtype = jnp.dtype(cfg.model.dtype)
     mc = cfg.model
     mesh = sharding.make_devices(cfg.mesh).learner
     P_, N_ = args.prompt_len, args.new_tokens
@@ -193,7 +208,10 @@ def main(args):
     init_s = time.perf_counter() - t0
 
     sizes = sorted({max(args.peak_n // 4, 256), max(args.peak_n // 2, 256), args.peak_n})
-    peak_before, n_before = matmul_peak(mesh, sizes, jnp.dtype(args.dtype))
+    chip = chip_for(mesh.devices.flat[0])
+    if args.peak == "spec" and chip is None:
+        sys.exit(f"--peak spec: no published figures for {mesh.devices.flat[0].device_kind!r}; use --peak measured")
+    peak_before, n_before = matmul_peak(mesh, sizes, dtype)
 
     t0 = time.perf_counter()
     state, metrics = block(learner.step(state, batch, ref))
@@ -213,11 +231,15 @@ def main(args):
     if not np.isfinite(loss):
         sys.exit(f"non-finite loss {loss}: the timed steps did not compute a real step")
 
-    peak_after, n_after = matmul_peak(mesh, sizes, jnp.dtype(args.dtype))
+    peak_after, n_after = matmul_peak(mesh, sizes, dtype)
     peak, peak_n = max((peak_before, n_before), (peak_after, n_after))
+    measured = peak
+    if args.peak == "spec":
+        peak = chip.peak_flops * mesh.devices.size
     load_after = os.getloadavg()[0]
 
-    fl = model_flops(mc, args.vocab, counts["trunk"], B, T, N_, learner.use_ref)
+    causal = learner.attn.impl != "xla" and not (learner.attn.impl == "blockwise" and T <= attention.BLOCK)
+    fl = model_flops(mc, args.vocab, counts["trunk"], B, T, N_, learner.use_ref, causal)
     total = sum(fl.values())
     med, best = float(np.median(times)), min(times)
 
@@ -228,12 +250,13 @@ def main(args):
           f"H={mc.n_heads} Hkv={mc.n_kv_heads} hd={mc.resolved_head_dim} F={mc.d_ff}, "
           f"tie_embeddings={mc.tie_embeddings}")
     preset_dtype = cfg_lib.load(args.config).model.dtype
-    print(f"compute: {args.dtype} params and activations (preset: {preset_dtype}) on {jax.default_backend()} "
-          f"({dev.device_kind}), mesh {dict(mesh.shape)}, {os.cpu_count()} host CPUs")
+    print(f"compute: {mc.dtype} activations, {mc.param_dtype} params (preset: {preset_dtype}) on "
+          f"{jax.default_backend()} ({dev.device_kind}), mesh {dict(mesh.shape)}, {os.cpu_count()} host CPUs; "
+          f"attention {learner.attn.impl}, remat {cfg.learner.remat}")
     print(f"batch: {args.prompts} prompts x {args.samples} samples = B {B} rows, "
           f"T = P {P_} + N {N_} = {T} columns, {B * T} tokens/step ({B * N_} completion tokens), "
           f"no padding")
-    print(f"flops/step = 6*N_trunk*B*T + 6*d*V*B*N + 12*L*H*hd*T*B*T"
+    print(f"flops/step = 6*N_trunk*B*T + 6*d*V*B*N + {'6' if causal else '12'}*L*H*hd*T*B*T"
           + (" + ref forward" if learner.use_ref else "")
           + f" = {' + '.join(f'{v / 1e9:.1f}' for v in fl.values())} = {total / 1e9:.1f} GFLOP "
           f"(fwd+bwd; reference-model forward {'included' if learner.use_ref else 'not run (kl_coef=0)'})")
@@ -249,11 +272,14 @@ def main(args):
          f"{total / med / peak:.1%}"),
         ("train step, best", f"{best * 1e3:,.0f} ms", f"{B * T / best:,.0f}", f"{total / best / 1e9:,.1f}",
          f"{total / best / peak:.1%}"),
-        (f"matmul peak ({args.dtype} dot)", "", "", f"{peak / 1e9:,.1f}", "100%"),
+        (f"matmul peak ({dtype.name} dot, measured)", "", "", f"{measured / 1e9:,.1f}", f"{measured / peak:.0%}"),
     ]
+    if args.peak == "spec":
+        rows.append((f"{chip.name} published bf16 peak x {mesh.devices.size}", "", "", f"{peak / 1e9:,.1f}", "100%"))
     common.print_table(list(head), [list(r) for r in rows], align="<" * len(head))
     mfu = total / med / peak
-    print(f"MFU (median step) {mfu:.1%}   target >= {args.target:.0%}: "
+    print(f"MFU (median step, vs the {'published' if args.peak == 'spec' else 'measured'} peak) {mfu:.1%}   "
+          f"target >= {args.target:.0%}: "
           f"{'met' if mfu >= args.target else 'NOT met'}   (loss {loss:.4f})")
 
 

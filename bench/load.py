@@ -132,6 +132,7 @@ def measure(path: str, mode: str, param_dtype: str) -> dict:
 
 def _naive(path, aparams, shardings):
     import jax
+    import numpy as np
     import safetensors.numpy as stn
     from async_rl import hf
 
@@ -141,8 +142,9 @@ def _naive(path, aparams, shardings):
     named, treedef = hf._flat(aparams)
     out = []
     for (ours, var), (_, sh) in zip(named, hf._flat(shardings)[0]):
-        name, transposed = hf.hf_name(ours)
-        x = tensors[name].T if transposed else tensors[name]
+        parts = [tensors[name].T if transposed else tensors[name]
+                 for name, _, _, transposed in hf.hf_tensors(ours, tuple(var.shape))]
+        x = parts[0] if len(parts) == 1 and parts[0].shape == tuple(var.shape) else np.stack(parts)
         out.append(var.replace(jax.device_put(x.astype(var.dtype), sh.get_value())))
     return jax.tree_util.tree_unflatten(treedef, out)
 
