@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .config import ConfigError
+
 # Finite, so that a query with no visible key gets a uniform softmax instead of NaN.
 MASK_VALUE = -1e30
 BLOCK = 512  # blockwise: query and key block, columns
@@ -68,20 +70,21 @@ class Spec:
 def resolve(choice: str, platform: str, dtype, mesh=None, batch_axes: tuple = (), head_axis=None) -> Spec:
     """`model.attention` for a platform ("cpu", "gpu"/"cuda"/"rocm", "tpu")."""
     if choice not in CHOICES:
-        raise ValueError(f"model.attention={choice!r}: must be one of {', '.join(CHOICES)}")
+        raise ConfigError(f"model.attention={choice!r}: must be one of {', '.join(CHOICES)}")
     gpu = platform in ("gpu", "cuda", "rocm")
+    strict = True
     if choice == "auto":
         if platform == "tpu":
             choice = "splash"
         elif gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-            return Spec("cudnn", strict=False)
+            choice, strict = "cudnn", False
         else:
             choice = "blockwise"
     if choice == "splash" and platform != "tpu":
-        raise ValueError(f"model.attention=splash: needs a TPU (this mesh is on {platform})")
+        raise ConfigError(f"model.attention=splash: needs a TPU (this mesh is on {platform})")
     if choice == "cudnn" and not gpu:
-        raise ValueError(f"model.attention=cudnn: needs an NVIDIA GPU (this mesh is on {platform})")
-    return Spec(choice, mesh, tuple(batch_axes), head_axis)
+        raise ConfigError(f"model.attention=cudnn: needs an NVIDIA GPU (this mesh is on {platform})")
+    return Spec(choice, mesh, tuple(batch_axes), head_axis, strict)
 
 
 def masked(q_BxQxHxD, k_BxKxGxD, v_BxKxGxD, mask_BxQxK):

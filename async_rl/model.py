@@ -282,7 +282,15 @@ class Transformer(nnx.Module):
         policy = _policy(remat)
         if remat != "none":
             step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-        return jax.lax.scan(step, carry, (blocks, xs), unroll=unroll)
+        if unroll is not True:
+            return jax.lax.scan(step, carry, (blocks, xs), unroll=unroll)
+        # Fully unrolled: straight-line code with static slices (a scan with unroll=True still
+        # leaves XLA a one-trip loop, whose body XLA:CPU runs on one core).
+        ys = []
+        for i in range(self.cfg.n_layers):
+            carry, y = step(carry, jax.tree.map(lambda a: a[i], (blocks, xs)))
+            ys.append(y)
+        return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None
 
     def _trunk(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat="none",
                unroll=1, gather=None, keep_cache=False):

@@ -34,11 +34,11 @@ def test_memory_is_the_compiled_steps_and_state_is_split_over_fsdp():
     assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
 
 
-@pytest.mark.parametrize("extra", [[], ["learner.micro_batch_rows=8", "learner.logits_chunk=4", "learner.remat=block"]])
-def test_cost_counts_every_loop_iteration(extra, monkeypatch):
-    # XLA counts a loop body once; the plan's cost must match a compile with every loop unrolled
+def test_cost_counts_every_loop_iteration(monkeypatch):
+    # XLA counts a loop body once; the plan's cost must match a compile with every loop
+    # (layers, micro-batches, logit chunks) unrolled
     monkeypatch.setattr(Learner, "layer_unroll", staticmethod(lambda platform: 1))  # scan layers, as on TPU
-    cfg = cfg_of(*extra)
+    cfg = cfg_of("learner.micro_batch_rows=8", "learner.logits_chunk=4", "learner.remat=block")
     mesh = PL.mesh_for(jax.devices()[:4], cfg.mesh)
     part = PL.learner_part(cfg, 64, mesh, PL.NOMINAL_CPU)
     _, _, _, _, lowered = PL._lower(cfg, 64, mesh, unroll=True)
