@@ -281,7 +281,9 @@ class Transformer(nnx.Module):
 
         policy = _policy(remat)
         if remat != "none":
-            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+            # Inside a scan CSE cannot merge the recomputation with the forward pass; in
+            # straight-line code it would, keeping every activation after all.
+            step = jax.checkpoint(step, policy=policy, prevent_cse=unroll is True)
         if unroll is not True:
             return jax.lax.scan(step, carry, (blocks, xs), unroll=unroll)
         # Fully unrolled: straight-line code with static slices (a scan with unroll=True still
