@@ -56,7 +56,7 @@ class Spec:
 
         Without it the partitioner may keep an FSDP weight sharded on its input dim and
         gather the activations' rows instead (every device then computes the whole batch)."""
-        if self.mesh is None:
+        if self.mesh is None or self.mesh.size == 1:
             return x
         from jax.sharding import NamedSharding, PartitionSpec as P
         nb = int(np.prod([self.mesh.shape[a] for a in self.batch_axes])) if self.batch_axes else 1

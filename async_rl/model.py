@@ -288,9 +288,12 @@ class Transformer(nnx.Module):
             return jax.lax.scan(step, carry, (blocks, xs), unroll=unroll)
         # Fully unrolled: straight-line code with static slices (a scan with unroll=True still
         # leaves XLA a one-trip loop, whose body XLA:CPU runs on one core).
+        # One split per leaf (its transpose is one concatenation, not L padded updates).
+        per_layer = jax.tree.map(lambda a: jnp.split(a, a.shape[0]), (blocks, xs))
         ys = []
         for i in range(self.cfg.n_layers):
-            carry, y = step(carry, jax.tree.map(lambda a: a[i], (blocks, xs)))
+            carry, y = step(carry, jax.tree.map(lambda parts: parts[i][0], per_layer,
+                                                is_leaf=lambda p: isinstance(p, list)))
             ys.append(y)
         return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None
 
