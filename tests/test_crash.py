@@ -1,7 +1,7 @@
 """Crash tests: a real training subprocess is SIGKILLed at chosen and random moments
 (also inside a checkpoint save and right after one), restarted each time, and run to the
 end; the audit must pass, and in deterministic mode the parameters must be bit-identical
-to an uninterrupted run (DESIGN.md I1, I5, I6)."""
+to an uninterrupted run (docs/design.md I1, I5, I6)."""
 import json
 import random
 import signal

@@ -1,4 +1,4 @@
-"""Resume scenarios, each with real training subprocesses (DESIGN.md I2, I3, I5, I7)."""
+"""Resume scenarios, each with real training subprocesses (docs/design.md I2, I3, I5, I7)."""
 import json
 import shutil
 
