@@ -12,6 +12,7 @@ import json
 import sys
 
 from . import config as C
+from . import signals
 
 
 def _groups_help() -> str:
@@ -56,6 +57,15 @@ def _err(msg: str, code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before anything heavy is imported: a SIGTERM during imports or start-up is kept, not fatal
+    handlers = signals.install()
+    try:
+        return _main(argv)
+    finally:
+        signals.release(handlers)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd is None:
         _parser().print_help()
@@ -64,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         from .audit import AuditError, audit, format_report
         try:
             rep = audit(args.run_dir)
-        except AuditError as e:
+        except (AuditError, OSError) as e:
             return _err(str(e), 2)
         print(json.dumps(rep, indent=1) if args.json else format_report(rep))
         return 0 if rep["ok"] else 1
@@ -84,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# resolved config\n" + C.to_yaml(cfg), flush=True)
     if args.print_config:
         return 0
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
     from .data import DataError
     from .sharding import init_distributed
     from .train import train
@@ -93,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
+    except (NonFiniteError, CheckpointWriteError) as e:
+        return _err(str(e), 1)
+    except PermissionError as e:
+        return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
     return res.exit_code
 
 

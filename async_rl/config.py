@@ -38,13 +38,14 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
 class RunConfig:
     dir: str = "runs/tiny"  # run directory: config.yaml, logs, lineage, checkpoints
     seed: int = 0  # seeds parameter init and the per-token sampling keys
-    resume: str = "auto"  # auto: resume if run.dir has a checkpoint | never | must
+    resume: str = "auto"  # auto | never | must | restart: as auto, but history without a checkpoint moves to previous/
+    reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
     determinism: bool = False  # bit-identical resume (in_order sampler only)
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
 
     def __post_init__(self):
         _check(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
-        _one_of("run.resume", self.resume, ("auto", "never", "must"))
+        _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
 
 
 @dataclass(frozen=True)
@@ -313,12 +314,22 @@ class Config:
 
 
 GROUPS = tuple(f.name for f in dataclasses.fields(Config))
-# Fields whose change would make a checkpoint's iterator state and ledger mean other prompts.
+# How a resume treats a field that differs from the checkpoint's config (docs/design.md, "Run
+# directory safety"). Fields listed nowhere are free to change (learning rate, max_steps, logging...).
+# Changing one of these would make a checkpoint's iterator state and ledger mean other prompts.
 DATA_STREAM_FIELDS = (
     "data.source", "data.task", "data.path", "data.num_records", "data.seed", "data.shuffle",
     "data.min_digits", "data.max_digits", "data.prompt_field", "data.answer_field", "data.id_field",
-    "rollout.prompts_per_step", "rollout.samples_per_prompt",
+    "rollout.prompts_per_step", "rollout.samples_per_prompt", "sampler.name",
 )
+# Changing one of these changes the structure of the saved model/optimizer state.
+STATE_FIELDS = (
+    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+    "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
+    "model.param_dtype", "learner.grad_clip",
+)
+# Of these only the optimizer's structure changes: run.reset_optimizer=true is a way out.
+OPTIMIZER_FIELDS = ("learner.grad_clip",)
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 
@@ -447,6 +458,42 @@ def replace(cfg: Config, **groups: dict[str, Any]) -> Config:
 def get(cfg: Config, dotted: str) -> Any:
     group, name = dotted.split(".")
     return getattr(getattr(cfg, group), _YAML_ALIASES.get(name, name))
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str  # group.field
+    saved: Any
+    now: Any
+    kind: str  # free | state | stream
+
+    def __str__(self) -> str:
+        return f"{self.key}: saved {self.saved!r}, now {self.now!r}"
+
+
+def _state_value(key: str, value: Any) -> Any:
+    # gradient clipping adds a state-free transform, but on/off changes the optimizer tree
+    return bool(value) if key == "learner.grad_clip" else value
+
+
+def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
+    """Every field of `cfg` that differs from a checkpoint's saved config (`to_dict` form),
+    with how a resume treats it. Fields the saved config lacks (older runs) are skipped."""
+    out, now = [], to_dict(cfg)
+    for g, fields_ in now.items():
+        for name, value in fields_.items():
+            key = f"{g}.{name}"
+            if name not in saved.get(g, {}) or saved[g][name] == value:
+                continue
+            old = saved[g][name]
+            if key in DATA_STREAM_FIELDS:
+                kind = "stream"
+            elif key in STATE_FIELDS and _state_value(key, old) != _state_value(key, value):
+                kind = "state"
+            else:
+                kind = "free"
+            out.append(Change(key, old, value, kind))
+    return out
 
 
 def data_stream(cfg: Config) -> dict[str, Any]:

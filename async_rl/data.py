@@ -167,6 +167,8 @@ def load_prompt_file(cfg: Config, tokenizer) -> tuple[list[dict], list[BadRecord
     ones, and the longest encoded prompt of the valid ones."""
     d = cfg.data
     path = Path(d.path).expanduser()
+    if path.is_dir():
+        raise DataError(f"data.path={d.path!r}: is a directory; expected a {d.source.upper()} file")
     if not path.is_file():
         raise DataError(f"data.path={d.path!r}: no such file")
     kind = "line" if d.source == "jsonl" else "row"

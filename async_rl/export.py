@@ -78,7 +78,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
 
     `dtype` casts the weights (e.g. "bfloat16" for serving); None keeps the trained dtype,
     which loads back bit-identically."""
-    run = Path(run_dir)
+    run = Path(run_dir).absolute()  # Orbax wants absolute paths
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run directory")
     cfg_path = run / "config.yaml"

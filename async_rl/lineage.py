@@ -1,22 +1,65 @@
 """The run's history logs, which follow the checkpoint: lineage, drops and rollouts.
 
-Owns: `lineage.jsonl` (one line per consumed group: trained, or consumed untrained by
-explicit config with `"filtered": true`), `drops.jsonl` (every rollout or group not
-trained, with its reason: I4), the optional `rollouts.jsonl` (every trained sample's
-tokens), their byte sizes recorded in each checkpoint's meta, and cutting them back to
-those sizes on resume (I5: lines a killed process wrote after its last checkpoint
-describe groups that come back from the ledger). Does not own: deciding what is trained
-or dropped (sampler, train) or reading the logs back (audit).
+Owns: `JsonlLog` (an append-only JSON-lines file, flushed per append, cut back on resume to
+the byte size a checkpoint recorded), `lineage.jsonl` (one line per consumed group:
+trained, or consumed untrained by explicit config with `"filtered": true`), `drops.jsonl`
+(every rollout or group not trained, with its reason: I4), the optional `rollouts.jsonl`
+(every trained sample's tokens), their byte sizes recorded in each checkpoint's ledger
+header, and cutting them back to those sizes on resume (I5: lines a killed process wrote
+after its last checkpoint describe groups that come back from the ledger). Does not own:
+deciding what is trained or dropped (sampler, train) or reading the logs back (audit).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from .ledger import Group
-from .metrics import JsonlLog
 
 LOGS = ("lineage", "drops", "rollouts")
+
+
+class JsonlLog:
+    """An append-only JSON-lines file whose valid length is recorded in checkpoints."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+
+    def truncate(self, nbytes: int) -> int:
+        """Cuts the file back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
+        self._f.flush()
+        size = self.path.stat().st_size
+        if size > nbytes:
+            os.truncate(self.path, nbytes)
+        self._f.seek(0, os.SEEK_END)
+        return max(0, size - nbytes)
+
+    def append(self, rows: list[dict]) -> None:
+        if rows:
+            self._f.write(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
+            self._f.flush()  # survives SIGKILL of this process (the OS holds the page)
+
+    def tell(self) -> int:
+        self._f.flush()
+        return self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
 
 
 class RunLogs:

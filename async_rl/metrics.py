@@ -1,9 +1,10 @@
-"""Run outputs: append-only JSONL logs that follow the checkpoint, TensorBoard, progress, plot.
+"""Run outputs for people: per-step metrics, TensorBoard, progress, the reward curve.
 
-Owns: `JsonlLog` (lineage.jsonl, metrics.jsonl, drops.jsonl: appended and flushed per
-line, truncated back to a checkpoint's recorded byte size on resume), the per-step
-metrics sink (metrics.jsonl + TensorBoard + the rich progress bar + console lines), and
-the reward curve PNG. Does not own: computing metrics (learner, pump, train).
+Owns: the per-step metrics sink (metrics.jsonl + TensorBoard + the rich progress bar +
+console lines), the device-side step clock behind `perf/learner_idle_frac`, and the reward
+curve PNG. Does not own: computing metrics (learner, pump, train) or the logs that prove
+exactly-once (`lineage`, whose `JsonlLog` metrics.jsonl also uses so it follows the
+checkpoint the same way).
 """
 
 from __future__ import annotations
@@ -18,35 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-class JsonlLog:
-    """An append-only JSON-lines file whose valid length is recorded in checkpoints."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
-
-    def truncate(self, nbytes: int) -> int:
-        """Cuts the file back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
-        self._f.flush()
-        size = self.path.stat().st_size
-        if size > nbytes:
-            os.truncate(self.path, nbytes)
-        self._f.seek(0, os.SEEK_END)
-        return max(0, size - nbytes)
-
-    def append(self, rows: list[dict]) -> None:
-        if rows:
-            self._f.write(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
-            self._f.flush()  # survives SIGKILL of this process (the OS holds the page)
-
-    def tell(self) -> int:
-        self._f.flush()
-        return self._f.tell()
-
-    def close(self) -> None:
-        self._f.close()
+from .lineage import JsonlLog, read_jsonl
 
 
 class StepClock:
@@ -85,17 +58,6 @@ class StepClock:
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=60)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
-        if line.strip():
-            out.append(json.loads(line))
-    return out
 
 
 def _fmt(v: Any) -> str:

@@ -49,8 +49,9 @@ def cli_args(run_dir: Path, *overrides: str, cache: Path | None = None) -> list[
 
 
 def run_cli(run_dir: Path, *overrides: str, cache: Path | None = None, kill_at: str = "", delay: str = "",
-            timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, PYTHONUNBUFFERED="1")
+            fault: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, ASYNC_RL_FAULT=fault,
+               PYTHONUNBUFFERED="1")
     return subprocess.run(cli_args(run_dir, *overrides, cache=cache), capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -75,10 +76,13 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise TimeoutError(f"step {step} not reached in {timeout}s")
 
 
-def kill9(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+def kill9(proc: subprocess.Popen) -> bool:
+    """SIGKILLs `proc` if it still runs; True if the kill is what ended it."""
+    alive = proc.poll() is None
+    if alive:
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+    return alive and proc.returncode == -signal.SIGKILL
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -132,3 +136,35 @@ def run_multi(run_dir: Path, *overrides: str, nproc: int = 2, devices_per_proces
                 if q.poll() is None:
                     q.kill()
     return out
+
+
+def wait_until(cond, timeout: float, what: str = "condition", poll: float = 0.02) -> None:
+    """Polls `cond()` until it is true; TimeoutError after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} not reached in {timeout}s")
+        time.sleep(poll)
+
+
+def tree_digest(root: Path, only: tuple = (), skip: tuple = ()) -> dict[str, str]:
+    """{relative path: sha256} of every file under `root` (or only the named top-level entries)."""
+    import hashlib
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        rel = p.relative_to(root)
+        if not p.is_file() or (only and rel.parts[0] not in only) or rel.parts[0] in skip:
+            continue
+        out[str(rel)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def handles_sigterm(pid: int) -> bool:
+    """Has process `pid` installed a SIGTERM handler yet (Linux: SigCgt in /proc)?"""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    except OSError:
+        return False
+    return False
