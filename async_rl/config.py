@@ -263,6 +263,15 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class JournalConfig:
+    enabled: bool = True  # append finished samples to run.dir/journal; a resume uses them instead of generating
+    fsync_every_s: float = 1.0  # fdatasync the journal at most this often, seconds (a thread); 0 = every write
+
+    def __post_init__(self):
+        _check(self.fsync_every_s >= 0, "journal.fsync_every_s", self.fsync_every_s, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     progress: bool = True  # live progress bar on stderr
     tensorboard: bool = True  # TensorBoard event files in run.dir/tb
@@ -287,6 +296,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):

@@ -6,8 +6,11 @@ Owns: reading `ASYNC_RL_KILL_AT` (comma-separated `point:step`, e.g.
 reached. Points: `ckpt_write` (inside a checkpoint write, after some files of the step
 are written), `ckpt_saved` (save() returned, the async write may still be running),
 `step` (a step's weights are published and its lineage lines written), `set_aside`
-(while damaged steps are moved aside on resume; the step is the damaged one). Does not
-own: anything else; with the variables unset every call is a dictionary lookup.
+(while damaged steps are moved aside on resume; the step is the damaged one), `generate`
+(the pump thread, after its n-th engine call of this process's session, before recording
+its tokens: a kill at a moment in the generation stream; it first prints a line with the
+tokens generated so far). Does not own: anything else; with the variables unset every
+call is a dictionary lookup.
 
 `ASYNC_RL_DELAY` (comma-separated `point:seconds`, e.g. `generate:0.01,step:0.5`) sleeps
 at `generate` (after each engine generate call) and `step` (after each learner step).
@@ -18,14 +21,17 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import time
 
 _SPEC = os.environ.get("ASYNC_RL_KILL_AT", "")
 _POINTS = {tuple(p.split(":", 1)) for p in _SPEC.split(",") if ":" in p}
 
 
-def point(name: str, step: int) -> None:
+def point(name: str, step: int, detail=None) -> None:
     if _POINTS and (name, str(step)) in _POINTS:
+        if detail is not None:
+            print(f"fault: SIGKILL at {name}:{step} {detail()}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -66,6 +66,11 @@ class _Sampler:
     def on_ready(self, group: Group, version: int) -> None:
         """A group just became READY (pump thread, under the lock)."""
 
+    def fits(self, group: Group, lo: int, hi: int, latest: int) -> bool:
+        """May a finished sample whose tokens were made by versions [lo, hi] (a killed run's,
+        from the rollout journal) join `group` now that `latest` is published?"""
+        return True
+
     # ---- what the learner asks -----------------------------------------------------------
 
     def _try(self, step: int) -> list[Group] | None | bool:
@@ -123,6 +128,10 @@ class InOrderSampler(_Sampler):
     def eligible(self, group: Group, version: int, latest: int) -> bool:
         return group.target_step <= version + 1 + self.lookahead
 
+    def fits(self, group: Group, lo: int, hi: int, latest: int) -> bool:
+        t = group.target_step  # the lookahead bound: every version in [t - 1 - L, t - 1]
+        return t - 1 - self.lookahead <= lo and hi <= t - 1
+
     def may_draw(self, version: int, latest: int) -> bool:
         return (super().may_draw(version, latest)
                 and self.stamp(self.ledger.next_ordinal) <= version + 1 + self.lookahead)
@@ -164,6 +173,9 @@ class _StalenessSampler(_Sampler):
 
     def may_draw(self, version: int, latest: int) -> bool:
         return super().may_draw(version, latest) and self.eligible(None, version, latest)
+
+    def fits(self, group: Group, lo: int, hi: int, latest: int) -> bool:
+        return latest - lo <= self.max_staleness  # trained at step latest + 1 at the earliest
 
     def _try(self, step: int):
         led = self.ledger

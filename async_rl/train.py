@@ -33,6 +33,7 @@ import numpy as np
 from . import config as C
 from . import data as data_mod
 from . import faults, hf, rewards, rundir, sharding
+from . import journal as journal_mod
 from . import signals as sig
 from .checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
 from .config import Config, ConfigError
@@ -271,12 +272,18 @@ class Session:
         self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,
                                                             on_regenerated=lambda g, s: self.logs.regenerated(s, g)),
                                     groups_per_step=parts.local_pps)
+        self.journal = journal_mod.open_journal(
+            cfg, parts.run_dir, step=self.step, process_index=pi, process_count=self.pc,
+            stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append)
+        self.journal_compacted = self.step  # newest committed checkpoint the journal was compacted to
+        if self.journal is not None and (line := self.journal.restore(self.ledger, self.sampler, self.step)):
+            log(line)
         params_e = self.engine.load_params(self.learner.publishable(self.state["params"]))
         self.engine.update_params(params_e, self.step)
         self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=self.engine, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
-                         deterministic=cfg.run.determinism, log=log)
+                         deterministic=cfg.run.determinism, log=log, journal=self.journal)
         self.clock = StepClock()
         self.rates = _Rates()
         self.t_start = time.perf_counter()
@@ -358,8 +365,11 @@ class Session:
         self.flush_metrics()
         self.ckpt.check_for_errors()
         self._mark_checkpointed()
+        self._compact_journal()
         host = _host_metrics(batch, self.step, groups, ledger)
         host.update(self.rates.take(self.pump.stats, self.clock.idle_fraction(self.step)))
+        if self.journal is not None:
+            host.update(self.journal.metrics(self.pump.stats.busy_s))
         if self.save_blocking_s is not None:
             host["ckpt/save_blocking_s"] = self.save_blocking_s  # the save after the previous step
             self.save_blocking_s = None
@@ -391,6 +401,8 @@ class Session:
             it_state = pump.iterator_state()
             cut = self.ledger.capture()
             cut.counters["logs"] = {**self.logs.sizes(), "metrics_bytes": self.sink.jsonl.tell()}
+            if self.journal is not None:
+                self.journal.rotate(s)  # records after the cut go to a segment this checkpoint does not cover
         if pump.error is not None:
             raise pump.error
         meta = {"step": s, "version": s, "data_stream": C.data_stream(self.cfg), "config": C.to_dict(self.cfg),
@@ -400,6 +412,15 @@ class Session:
             pump.resume()
         self.last_saved = s
         self.save_blocking_s = self.ckpt.last_blocking_s
+
+    def _compact_journal(self) -> None:
+        """Deletes the journal segments that a checkpoint of this session, once committed, made obsolete."""
+        if self.journal is None or self.last_saved <= self.journal_compacted:
+            return
+        done = [s for s in self.ckpt.steps() if self.journal_compacted < s <= self.last_saved]
+        if done:
+            self.journal.compact(done[-1])
+            self.journal_compacted = done[-1]
 
     def _mark_checkpointed(self) -> None:
         if not self.checkpointed and self.primary and self.last_saved >= 0 and self.ckpt.steps():
@@ -421,11 +442,16 @@ class Session:
             self.save()
         self.ckpt.wait()
         self._mark_checkpointed()
+        self._compact_journal()
 
     def close(self, failing: bool = False) -> None:
         """Stops the threads and closes the files; with `failing`, an error of the checkpointer is
         reported as a warning so it does not hide the one that stopped the run."""
         self.pump.stop()
+        if self.journal is not None:
+            self.journal.close()
+            if self.journal.usage.samples or self.journal.usage.unused:
+                self.log(self.journal.summary())
         self.clock.close()
         sys.setswitchinterval(self._switch)
         self.sink.close()
@@ -451,7 +477,8 @@ class _Rates:
         now = time.perf_counter()
         dt = max(now - self._t, 1e-9)
         out = {"perf/step_time_s": dt, "perf/tokens_per_s": (stats.tokens - self._tokens) / dt,
-               "perf/learner_wait_s": self.wait_s - self._wait, "perf/pump_idle_frac": (stats.idle_s - self._idle) / dt}
+               "perf/learner_wait_s": self.wait_s - self._wait, "perf/pump_idle_frac": (stats.idle_s - self._idle) / dt,
+               "rollout/generated_tokens": stats.tokens}
         if learner_idle is not None:
             out["perf/learner_idle_frac"] = learner_idle
         self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
