@@ -226,3 +226,17 @@ def test_journaled_samples_are_trained_as_journaled_and_not_generated_again(tmp_
     assert [d["reason"] for d in _rows(tmp_path / "drops.jsonl")] == ["corrupt"]
     assert audit(tmp_path)["ok"]
     assert len(_files(tmp_path)) == 1  # compacted: only the last, empty segment is left
+
+
+def test_deterministic_resume_from_the_journal_is_bit_identical(tmp_path, xla_cache):
+    det = [*E2E[:-1], "run.determinism=true", "sampler.max_lookahead=2"]
+    r = run_cli(tmp_path / "clean", *det, cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli(tmp_path / "killed", *det, cache=xla_cache, kill_at="step:6")
+    assert r.returncode == -9, r.stderr[-2000:]
+    r = run_cli(tmp_path / "killed", *det, cache=xla_cache)
+    assert r.returncode == 0 and "resumed step 4" in r.stderr, r.stderr[-3000:]
+    last = _rows(tmp_path / "killed" / "metrics.jsonl")[-1]
+    assert last["rollout/journal_samples"] >= 16 and last["rollout/journal_unused"] == 0  # steps 5 and 6 at least
+    clean, killed = (json.loads((tmp_path / d / "final.json").read_text()) for d in ("clean", "killed"))
+    assert killed["fingerprint"] == clean["fingerprint"] and killed["step"] == clean["step"] == 16
