@@ -3,7 +3,7 @@
 Owns: running one job three ways and the printed table. Does not own: any trainer logic
 (it drives `python -m async_rl train` and reads what the runs write).
 
-The job: the tiny preset (GRPO on digit reversal, 8192 prompts, 256 steps) with
+The job: the tiny preset (GRPO on digit reversal, 16384 prompts, 512 steps) with
 `checkpoint.every_steps=20`. Runs:
   1. uninterrupted (journal on, the default);
   2. K SIGKILLs at random moments, journal on; the run is restarted after each and finishes;
@@ -18,12 +18,13 @@ Counts: tokens generated = the sum over sessions (a killed one from that line, t
 from `rollout/generated_tokens`); tokens trained = the final checkpoint's `trained_tokens`;
 tokens generated twice = generated - trained (in_order trains every generated token of an
 uninterrupted run, so that row reads 0: a check of the accounting). Wall = the sum of every
-session's wall time, restarts included. Journal cost = `perf/journal_write_frac` of the
+session's wall time, restarts included (a short warm-up run fills the compilation cache
+first, so no run pays compilation). Journal cost = `perf/journal_write_frac` of the
 uninterrupted run: time the pump thread spends encoding and queueing records over its time
 in engine calls (the write and fdatasync run on the journal's own threads).
 
     python bench/crash_waste.py                  # K=3 kills, seed 0
-    python bench/crash_waste.py --kills 4 --seed 1 --records 4096
+    python bench/crash_waste.py --kills 4 --seed 1 --records 8192
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ def parse_args():
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--config", default="configs/tiny.yaml")
-    ap.add_argument("--records", type=int, default=8192, help="data.num_records (steps = records / 32)")
+    ap.add_argument("--records", type=int, default=16384, help="data.num_records (steps = records / 32)")
     ap.add_argument("--kills", type=int, default=3, help="SIGKILLs per killed run")
     ap.add_argument("--every", type=int, default=20, help="checkpoint.every_steps")
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
-    ap.add_argument("--min-steps", type=float, default=25, help="a session is killed after at least this many "
-                                                                "steps' worth of engine calls")
-    ap.add_argument("--max-steps", type=float, default=60, help="... and at most this many")
+    ap.add_argument("--min-frac", type=float, default=0.08, help="a session is killed after at least this "
+                                                                 "fraction of the job's engine calls")
+    ap.add_argument("--max-frac", type=float, default=0.25, help="... and at most this fraction")
     ap.add_argument("--devices", type=int, default=1, help="forced CPU devices per run")
     ap.add_argument("--timeout", type=float, default=1800, help="per session, seconds")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
@@ -82,11 +83,14 @@ class Job:
 
     def run(self, name: str, extra: list[str], kills: list[int]) -> dict:
         d = self.root / name
-        out = {"name": name, "wall": 0.0, "generated": 0, "kills": 0, "in_flight": 0, "sessions": 0}
+        out = {"name": name, "wall": 0.0, "generated": 0, "kills": 0, "in_flight": 0, "sessions": 0, "start": []}
         for n in kills + [None]:
             r = self.session(d, extra, n)
             out["wall"] += r.wall_s
             out["sessions"] += 1
+            first = r.first("step ")
+            if first is not None:  # start-up: process start, imports, restore, cached compilation, first step
+                out["start"].append(first[0] - r.t_spawn)
             hit = next((FAULT.search(l) for _, l in r.lines if FAULT.search(l)), None)
             if r.rc == -9 and hit:
                 out["kills"] += 1
@@ -119,25 +123,30 @@ def main() -> None:
     print(f"job: {args.config}, data.num_records={args.records}, checkpoint.every_steps={args.every}; "
           f"{args.kills} SIGKILLs per killed run (seed {args.seed}); {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
+    # compile once first: every run then finds its programs in the persistent cache
+    job.session(root / "warmup", [f"data.num_records={2 * 32}"], None)
     base = job.run("uninterrupted", [], [])
     steps = base["last"]["step"]
     slots = 64  # the preset's engine.max_concurrent_decodes
-    calls_per_step = base["generated"] / steps / slots  # roughly: slots stay full
+    calls = base["generated"] / slots  # roughly: the slots stay full
     rng = random.Random(args.seed)
-    kills = [int(rng.uniform(args.min_steps, args.max_steps) * calls_per_step) for _ in range(args.kills)]
-    print(f"  kill after engine calls {kills} of each session (~{calls_per_step:.0f} calls per step)", flush=True)
+    kills = [int(rng.uniform(args.min_frac, args.max_frac) * calls) for _ in range(args.kills)]
+    print(f"  kill after engine calls {kills} of each session (~{calls / steps:.0f} calls per step)", flush=True)
     on = job.run("kills, journal on", [], kills)
     off = job.run("kills, journal off", ["journal.enabled=false"], kills)
 
     rows = []
     for r in (base, on, off):
         k = max(r["kills"], 1)
-        rows.append([r["name"], str(r["kills"]), f"{r['wall']:.1f}", f"{r['wall'] / base['wall']:.2f}x",
+        extra_s = f"{(r['wall'] - base['wall']) / k:.1f}" if r["kills"] else "-"
+        rows.append([r["name"], str(r["kills"]), f"{r['wall']:.1f}", f"{r['wall'] / base['wall']:.2f}x", extra_s,
+                     f"{sum(r['start']) / max(len(r['start']), 1):.1f}",
                      str(r["generated"]), str(r["trained"]), str(r["twice"]),
                      f"{r['twice'] / k:.0f}" if r["kills"] else "-",
                      f"{r['in_flight'] / k:.0f}" if r["kills"] else "-",
                      str(r["last"].get("rollout/journal_samples", "-")), r["audit"]])
-    common.print_table(["run", "kills", "wall s", "vs uninterrupted", "tokens generated", "tokens trained",
+    common.print_table(["run", "kills", "wall s", "vs uninterrupted", "s per kill", "to 1st step s",
+                        "tokens generated", "tokens trained",
                         "generated twice", "twice per kill", "in flight per kill", "journal samples (last)",
                         "audit"], rows)
     frac = base["last"].get("perf/journal_write_frac")
