@@ -205,9 +205,9 @@ class Usage:
 class Journal:
     """This process's journal: writes this session's finished samples, replays earlier ones.
 
-    Thread use: `claim`, `apply`, `append`, `rotate` run under the ledger lock (pump thread,
-    or the main thread at start-up and at the cut); `flush` on the pump thread outside it;
-    fsync on the journal's own thread. `_lock` orders the buffer and the files."""
+    Thread use: `claim`, `apply`, `idle`, `append`, `rotate` run under the ledger lock (pump
+    thread, or the main thread at start-up and at the cut); `flush` on the journal's writer
+    thread, fdatasync on its sync thread. `_lock` orders the buffer and the open segment."""
 
     def __init__(self, run_dir: Path, *, process_index: int, process_count: int, sig: dict, step: int,
                  fsync_every_s: float, bound: int, deterministic: bool, log, drop):
@@ -282,7 +282,9 @@ class Journal:
                             "samples": len(seg.entries), "why": why}])
             return
         for e in seg.entries:
-            self.index.setdefault((e.epoch, e.prompt_id), []).append(e)
+            # too old for any group a run at this step still has (the same rule as `compact`)
+            if self.latest - e.vmin <= self.bound:
+                self.index.setdefault((e.epoch, e.prompt_id), []).append(e)
 
     def _mismatch(self, header: dict | None) -> str:
         if header is None or header.get("format") != FORMAT:

@@ -5,6 +5,7 @@ SIGKILL, journaled samples are trained as journaled and not generated again."""
 import json
 
 import numpy as np
+import pytest
 
 from async_rl import config as C
 from async_rl.audit import audit
@@ -77,17 +78,38 @@ def test_a_later_session_fills_drawn_groups_from_the_journal(tmp_path):
 def test_samples_outside_the_samplers_bound_are_not_used_and_logged(tmp_path):
     a = Session(tmp_path, "sampler.max_lookahead=1")
     g = a.draw(1, ordinal=4)  # stamped 3: versions 1..2 allowed
-    a.finish(g, 0, version=0)
+    a.finish(g, 0, version=3)
     a.finish(g, 1, version=2)
     a.j.close()
-    b = Session(tmp_path, "sampler.max_lookahead=1", step=2)
-    g2 = b.draw(1, ordinal=4, latest=2)
+    b = Session(tmp_path, "sampler.max_lookahead=1", step=3)
+    g2 = b.draw(1, ordinal=4, latest=3)
     assert not g2.samples[0].done and g2.samples[1].done
     assert [(d["reason"], d["sample"]) for d in b.drops] == [("stale", 0)]
     b.j.close()
-    c = Session(tmp_path, "sampler.name=fifo", "sampler.max_staleness=1", step=3)
-    g3 = c.draw(1, ordinal=4, latest=3)  # fifo: latest - oldest version <= 1
-    assert not g3.samples[0].done and g3.samples[1].done
+    c = Session(tmp_path, "sampler.name=fifo", "sampler.max_staleness=1", step=4)
+    g3 = c.draw(1, ordinal=4, latest=4)  # fifo: latest - oldest version <= 1
+    assert g3.samples[0].done and not g3.samples[1].done
+    c.j.close()
+
+
+def test_under_fifo_a_waiting_sample_is_generated_when_the_pump_would_idle(tmp_path):
+    fifo = ("sampler.name=fifo", "sampler.max_staleness=2")
+    a = Session(tmp_path, *fifo)
+    g = a.draw(1, ordinal=8)
+    a.finish(g, 0, version=3)
+    a.j.close()
+    b = Session(tmp_path, *fifo, step=2)
+    g2 = b.draw(1, ordinal=8, latest=2)
+    assert b.j.waiting(g2.ordinal, 0)
+    with b.ledger.lock:
+        b.j.idle(2, PPS)  # nothing READY: the learner cannot publish version 3 without this group
+    assert not b.j.waits and [d["reason"] for d in b.drops] == ["ahead"]
+    b.j.close()
+    c = Session(tmp_path, step=2)  # in_order waits: the group's own step comes after version 3
+    g3 = c.draw(1, ordinal=8, latest=2)
+    with c.ledger.lock:
+        c.j.idle(2, PPS)
+    assert c.j.waiting(g3.ordinal, 0) and not c.drops
     c.j.close()
 
 
@@ -201,13 +223,14 @@ def test_journaled_samples_are_trained_as_journaled_and_not_generated_again(tmp_
     assert r.returncode == -9, r.stderr[-2000:]
     ledger = read_ledger(tmp_path, 4)
     trained_before = {(x["epoch"], x["prompt_id"]) for x in _rows(tmp_path / "lineage.jsonl") if x["step"] <= 4}
-    journaled = {}
+    journaled, kept = {}, {}  # the samples finished after the cut; the tokens the checkpoint has of them
     for path in _files(tmp_path):
         for e in read_segment(path).entries:
             key = (e.epoch, e.prompt_id)
             held = next((g for g in ledger.groups.values() if (g.epoch, g.prompt_id) == key), None)
             if key not in trained_before and not (held and held.samples[e.sample].done):
                 journaled[(*key, e.sample)] = e.tokens.tolist()
+                kept[(*key, e.sample)] = len(held.samples[e.sample].tokens) if held else 0
     assert len(journaled) >= 8  # steps 5-7 and what ran ahead of them
     with open(_files(tmp_path)[-1], "ab") as f:
         f.write(b"\xa5JR1\x40\x00")  # a write the kill tore
@@ -220,7 +243,8 @@ def test_journaled_samples_are_trained_as_journaled_and_not_generated_again(tmp_
     last = _rows(tmp_path / "metrics.jsonl")[-1]
     assert last["rollout/journal_samples"] == len(journaled) and last["rollout/journal_unused"] == 0
     restored = sum(len(s.tokens) for g in ledger.groups.values() for s in g.samples)
-    supplied = sum(len(v) for v in journaled.values())
+    supplied = sum(len(v) - kept[k] for k, v in journaled.items())  # a partial sample continues from the checkpoint
+    assert last["rollout/journal_tokens"] == supplied
     # the engine generated only what neither the checkpoint nor the journal held
     assert last["rollout/generated_tokens"] == sum(len(v) for v in trained.values()) - restored - supplied
     assert [d["reason"] for d in _rows(tmp_path / "drops.jsonl")] == ["corrupt"]
@@ -232,11 +256,28 @@ def test_deterministic_resume_from_the_journal_is_bit_identical(tmp_path, xla_ca
     det = [*E2E[:-1], "run.determinism=true", "sampler.max_lookahead=2"]
     r = run_cli(tmp_path / "clean", *det, cache=xla_cache)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_cli(tmp_path / "killed", *det, cache=xla_cache, kill_at="step:6")
+    # the cut of step 4 waits until the groups of steps 5 and 6 are READY (deterministic mode):
+    # the journal's part is the groups of step 7 on, made by versions 4 and 5
+    r = run_cli(tmp_path / "killed", *det, cache=xla_cache, kill_at="step:7")
     assert r.returncode == -9, r.stderr[-2000:]
     r = run_cli(tmp_path / "killed", *det, cache=xla_cache)
     assert r.returncode == 0 and "resumed step 4" in r.stderr, r.stderr[-3000:]
     last = _rows(tmp_path / "killed" / "metrics.jsonl")[-1]
-    assert last["rollout/journal_samples"] >= 16 and last["rollout/journal_unused"] == 0  # steps 5 and 6 at least
+    assert last["rollout/journal_samples"] >= 8 and last["rollout/journal_unused"] == 0  # step 7's at least
     clean, killed = (json.loads((tmp_path / d / "final.json").read_text()) for d in ("clean", "killed"))
     assert killed["fingerprint"] == clean["fingerprint"] and killed["step"] == clean["step"] == 16
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("name", ["fifo", "windowed"])
+def test_staleness_samplers_resume_from_the_journal(tmp_path, xla_cache, name):
+    ov = [*E2E[:-1], f"sampler.name={name}", "sampler.max_staleness=1", "rollout.partial=true"]
+    r = run_cli(tmp_path, *ov, cache=xla_cache, kill_at="step:7")
+    assert r.returncode == -9, r.stderr[-2000:]
+    r = run_cli(tmp_path, *ov, cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _rows(tmp_path / "metrics.jsonl")[-1]["rollout/journal_samples"] > 0
+    assert audit(tmp_path)["ok"]
+    rows = _rows(tmp_path / "lineage.jsonl")
+    assert sorted(x["prompt_id"] for x in rows) == list(range(32))
+    assert all((x["step"] - 1) - min(x["versions"]) <= 1 for x in rows)
