@@ -10,178 +10,32 @@ checks below, instead of the engine generating it; rotating segments at each che
 cut and deleting those a committed checkpoint made obsolete. Does not own: what is
 trained (the ledger, the sampler and the lineage decide; a journaled sample only
 replaces generation of a sample the ledger already asks for), the rules a sample's
-versions must satisfy (`sampler.fits`, `sampler.required_version`), or the pump's loop.
+versions must satisfy (`sampler.fits`, `sampler.required_version`), the pump's loop, or
+the bytes of a record (`journal_format`).
 
 A journaled sample is used for sample j of a group only if: the group's (epoch, prompt_id)
 and j match, its prompt tokens match (crc32), it was written under the same sampling
 settings (segment header), its first tokens are the restored partial sample's, the stream
 ordinal matches when the process layout is unchanged, and its versions fit the sampler's
 bound for the group (deterministic mode: exactly the version the engine would use, same
-ordinal). It is applied once the learner has published its newest version, so no
-ledger token ever names weights the run does not have. See docs/design.md, "Rollout journal".
+ordinal). It is applied once every version it names is published, so no ledger token
+ever names weights the run does not have. See docs/design.md, "Rollout journal".
 """
 
 from __future__ import annotations
 
-import array
-import json
 import os
-import struct
-import sys
 import threading
 import time
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .journal_format import FORMAT, Entry, Segment, encode_header, encode_sample, prompt_crc, read_segment
+from .journal_format import segment_files, signature
 from .ledger import Group, Sample, State
-
-MAGIC = b"\xa5JR1"
-_FRAME = struct.Struct("<4sII")  # magic, payload bytes, crc32 of the payload
-_SAMPLE = struct.Struct("<BqqqiiIId")  # kind, epoch, prompt_id, ordinal, sample, regenerations, prompt crc, n, reward
-KIND_HEADER, KIND_SAMPLE = 0, 1
-FORMAT = 1
-_SWAP = sys.byteorder != "little"  # records are little-endian
-
-
-def prompt_crc(tokens: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(tokens, "<i4"))
-
-
-def _frame(*parts: bytes) -> bytes:
-    crc = 0
-    for p in parts:
-        crc = zlib.crc32(p, crc)
-    return b"".join((_FRAME.pack(MAGIC, sum(map(len, parts)), crc), *parts))
-
-
-def _arr(code: str, values) -> bytes:
-    a = array.array(code, values)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
-
-
-def encode_sample(g: Group, si: int, s: Sample, reward: float, crc: int) -> bytes:
-    n = len(s.tokens)
-    head = _SAMPLE.pack(KIND_SAMPLE, g.epoch, g.prompt_id, g.ordinal, si, g.regenerations, crc, n, reward)
-    return _frame(head, _arr("i", s.tokens), _arr("f", s.logprobs), _arr("i", s.versions))
-
-
-def encode_header(doc: dict) -> bytes:
-    return _frame(bytes([KIND_HEADER]) + json.dumps(doc, sort_keys=True).encode())
-
-
-@dataclass
-class Entry:
-    """One journaled sample, as read back."""
-    epoch: int
-    prompt_id: int
-    ordinal: int
-    sample: int
-    regenerations: int
-    prompt_crc: int
-    reward: float
-    tokens: np.ndarray  # int32 [n]
-    logprobs: np.ndarray  # float32 [n]
-    versions: np.ndarray  # int32 [n]
-    layout: tuple  # (process index, process count) of the writer
-    where: str  # file:offset, for messages
-
-    @property
-    def vmin(self) -> int:
-        return int(self.versions.min())
-
-    @property
-    def vmax(self) -> int:
-        return int(self.versions.max())
-
-
-def _decode_sample(p: bytes, layout: tuple, where: str) -> Entry | None:
-    if len(p) < _SAMPLE.size:
-        return None
-    kind, epoch, pid, ordinal, si, regen, crc, n, reward = _SAMPLE.unpack_from(p)
-    if len(p) != _SAMPLE.size + 12 * n or n == 0:
-        return None
-    o = _SAMPLE.size
-    t, lp, v = (np.frombuffer(p, dt, n, o + 4 * n * i) for i, dt in enumerate(("<i4", "<f4", "<i4")))
-    return Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout, where)
-
-
-def scan(data: bytes) -> tuple[list[tuple[int, bytes]], list[tuple[int, int]], tuple[int, int] | None]:
-    """Splits a segment into (offset, payload) records with valid checksums. Returns them,
-    the corrupt byte ranges that valid records follow, and the torn tail (offset, bytes) after
-    the last valid record, if any."""
-    out, bad, pos, n, start = [], [], 0, len(data), None
-    while pos < n:
-        ok = n - pos >= _FRAME.size and data.startswith(MAGIC, pos)
-        if ok:
-            _, size, crc = _FRAME.unpack_from(data, pos)
-            end = pos + _FRAME.size + size
-            payload = data[pos + _FRAME.size:end]
-            ok = end <= n and zlib.crc32(payload) == crc
-        if not ok:
-            start = pos if start is None else start
-            nxt = data.find(MAGIC, pos + 1)
-            pos = n if nxt < 0 else nxt
-            continue
-        if start is not None:
-            bad.append((start, pos - start))
-            start = None
-        out.append((pos, payload))
-        pos = end
-    return out, bad, (None if start is None else (start, n - start))
-
-
-@dataclass
-class Segment:
-    """A segment file read back: its header and the samples it holds."""
-    path: Path
-    header: dict | None
-    entries: list[Entry]
-    corrupt: list[tuple[int, int]]
-    torn: tuple[int, int] | None
-
-    @property
-    def max_vmin(self) -> int:
-        return max((e.vmin for e in self.entries), default=-1)
-
-
-def read_segment(path: Path) -> Segment:
-    data = Path(path).read_bytes()
-    recs, bad, torn = scan(data)
-    header = None
-    if recs and recs[0][1][:1] == bytes([KIND_HEADER]):
-        try:
-            header = json.loads(recs[0][1][1:])
-        except ValueError:
-            header = None
-    layout = (header.get("process"), header.get("processes")) if header else (None, None)
-    entries = []
-    for off, p in recs:
-        if p[:1] == bytes([KIND_SAMPLE]):
-            e = _decode_sample(p, layout, f"{path.name}:{off}")
-            if e is None:
-                bad.append((off, _FRAME.size + len(p)))
-            else:
-                entries.append(e)
-    return Segment(Path(path), header, entries, bad, torn)
-
-
-def segment_files(directory: Path) -> list[Path]:
-    return sorted(p for p in Path(directory).glob("*.jrn") if p.stem.isdigit())
-
-
-def signature(cfg, reward: str, stop_ids) -> dict:
-    """The settings a journaled sample was generated under; a segment written under others is not used."""
-    e, r = cfg.engine, cfg.rollout
-    return {"seed": cfg.run.seed, "engine.temperature": e.temperature, "engine.top_k": e.top_k,
-            "engine.top_p": e.top_p, "rollout.max_new_tokens": r.max_new_tokens,
-            "rollout.samples_per_prompt": r.samples_per_prompt, "rollout.reward": reward,
-            "stop_ids": sorted(int(s) for s in stop_ids)}
 
 
 @dataclass
@@ -221,8 +75,8 @@ class Journal:
         self.usage = Usage()
         self.sampler = self.ledger = None
         self.latest = step
-        self.write_s = 0.0  # time the pump spent encoding and writing records
-        self.sync_s = 0.0  # time the fsync thread spent in fdatasync
+        self.write_s = 0.0  # time the pump thread spent encoding and queueing records
+        self.sync_s = 0.0  # time the sync thread spent in fdatasync
         self._lock = threading.Lock()  # the buffer and which segment is open
         self._sync_lock = threading.Lock()  # fdatasync, and closing file descriptors
         self._buf: list[bytes] = []
@@ -568,7 +422,8 @@ class Journal:
         u = self.usage
         return {"rollout/journal_groups": len(u.groups), "rollout/journal_samples": u.samples,
                 "rollout/journal_tokens": u.tokens, "rollout/journal_unused": sum(u.unused.values()),
-                "perf/journal_write_frac": self.write_s / busy_s if busy_s > 0 else 0.0}
+                "perf/journal_write_frac": self.write_s / busy_s if busy_s > 0 else 0.0,
+                "perf/journal_sync_s": self.sync_s}
 
     def summary(self) -> str:
         u = self.usage

@@ -9,7 +9,8 @@ import pytest
 
 from async_rl import config as C
 from async_rl.audit import audit
-from async_rl.journal import open_journal, read_segment, segment_files
+from async_rl.journal import open_journal
+from async_rl.journal_format import read_segment, segment_files
 from async_rl.ledger import Ledger
 from async_rl.sampler import make_sampler
 from helpers import read_ledger, run_cli
