@@ -280,7 +280,7 @@ class Journal:
         return seg
 
     def encode(self, g: Group, s: Sample, reward: float) -> bytes:
-        si = [id(x) for x in g.samples].index(id(s))
+        si = next(i for i, x in enumerate(g.samples) if x is s)
         return encode_sample(g, si, s, reward, prompt_crc(g.prompt_tokens))
 
     def append(self, records: list[bytes]) -> None:
