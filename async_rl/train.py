@@ -32,7 +32,7 @@ import numpy as np
 
 from . import config as C
 from . import data as data_mod
-from . import faults, hf, rewards, rundir, sharding
+from . import faults, hf, reshard, rewards, rundir, sharding
 from . import signals as sig
 from .checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
 from .config import Config, ConfigError
@@ -70,6 +70,7 @@ class Parts:
     engine: Engine
     ckpt: Checkpointer
     local_pps: int  # this process's groups per step
+    generations: list = field(default_factory=list)  # re-partitions onto other process counts (reshard)
 
 
 @dataclass
@@ -139,7 +140,8 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     pps, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     if pps % pc:
         raise ConfigError(f"rollout.prompts_per_step={pps}: must divide over the {pc} processes (each "
-                          "process generates its share of every step from its own shard of the data)")
+                          "process generates its share of every step from its own shard of the data)"
+                          + reshard.count_note(run_dir))
     shards = sharding.batch_shards(devices.learner)
     if (pps * G) % shards:
         raise ConfigError(f"rollout.prompts_per_step={pps}: prompts_per_step x samples_per_prompt "
@@ -196,7 +198,7 @@ def choose_start(parts: Parts, log) -> Start:
 
 
 def _resumed(parts: Parts, restored: Restored, damaged: list[DamagedStep], log) -> Start:
-    parts.iterator.set_state(restored.iterator_state)  # a changed data file is refused here
+    reshard.restore_data(parts, restored, log)  # another process count: re-partitioned; sets the iterator
     ledger = Ledger.from_snapshot(restored.ledger)
     if ledger.exhausted and not parts.iterator.exhausted:
         ledger.exhausted = False  # more epochs than before: the stream continues
@@ -229,6 +231,9 @@ def take(parts: Parts, start: Start, log) -> None:
     sharding.agree([1])  # every process sees the moves before opening the manager
     parts.ckpt.open()
     if primary:
+        cut = reshard.cut_inactive_logs(run_dir, parts.generations, jax.process_count())
+        if cut:
+            log(f"cut {cut} bytes of the logs of processes this run no longer has (written after its checkpoint)")
         rundir.write_if_changed(run_dir / "config.yaml", C.to_yaml(cfg))
         rundir.write_if_changed(run_dir / "data.json", json.dumps({
             "prompt_ids": [int(i) for i in parts.pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
@@ -250,7 +255,7 @@ class Session:
         self.pc, self.primary = jax.process_count(), pi == 0
         self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
         self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
-                            suffix=f".p{pi}" if pi else "")
+                            suffix=f".p{pi}" if pi else "", generation=len(parts.generations))
         saved_logs = start.restored.ledger.header.get("logs") if start.restored else None
         cut = self.logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
         self.ledger, self.state, self.step = start.ledger, start.state, start.step
@@ -394,7 +399,7 @@ class Session:
         if pump.error is not None:
             raise pump.error
         meta = {"step": s, "version": s, "data_stream": C.data_stream(self.cfg), "config": C.to_dict(self.cfg),
-                "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time()}
+                "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
         self.ckpt.save(s, self.state, it_state, cut, meta)
         if self.cfg.run.determinism:
             pump.resume()
@@ -483,7 +488,7 @@ def report(parts: Parts, s: Session, log) -> RunResult:
     fp = params_fingerprint(learner.publishable(s.state["params"]) if s.pc > 1 else s.state["params"])
     with ledger.lock:
         open_epochs = {g.epoch for g in ledger.groups.values()}
-        next_epoch = ledger.next_ordinal // max(parts.pd.records_per_epoch, 1)
+        next_epoch = parts.pd.epoch_at(parts.iterator.next_index)  # every epoch before it is drawn here
         local_done = [e not in open_epochs and (ledger.exhausted or e < next_epoch) for e in range(cfg.data.num_epochs)]
     complete = [e for e, ok in enumerate(sharding.agree(local_done).all(axis=0)) if ok]
     exhausted = bool(sharding.agree([ledger.exhausted]).all())
