@@ -6,8 +6,10 @@ trained, or consumed untrained by explicit config with `"filtered": true`), `dro
 (every rollout or group not trained, with its reason: I4), the optional `rollouts.jsonl`
 (every trained sample's tokens), their byte sizes recorded in each checkpoint's ledger
 header, and cutting them back to those sizes on resume (I5: lines a killed process wrote
-after its last checkpoint describe groups that come back from the ledger). Does not own:
-deciding what is trained or dropped (sampler, train) or reading the logs back (audit).
+after its last checkpoint describe groups that come back from the ledger). After a resume
+on another process count each line carries the generation (`gen`): ordinals start again.
+Does not own: deciding what is trained or dropped (sampler, train) or reading the logs back
+(audit).
 """
 
 from __future__ import annotations

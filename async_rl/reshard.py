@@ -135,7 +135,7 @@ def _line(parts, child, restored, order, owners, n, q, m) -> str:
     def by(c: Counter) -> str:
         return ", ".join(f"process {p}: {k}" for p, k in sorted(c.items()))
     rest = (f"from epoch {child.epoch0} on it draws records {q}::{m} of each epoch"
-            if child.epoch0 < parts.cfg.data.num_epochs else "no epoch is left to shard")
+            if child.epoch0 < parts.cfg.data.num_epochs else "every epoch was started already, none is sharded anew")
     return (f"resharded from {n} to {m} processes at step {restored.step}: this process takes "
             f"{sum(from_groups.values())} ledger groups" + (f" ({by(from_groups)})" if from_groups else "")
             + f" and {len(mine)} undrawn records" + (f" of epoch {', '.join(map(str, epochs))}" if epochs else "")

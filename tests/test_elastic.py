@@ -6,6 +6,7 @@ resume"). Refusals exit 2 naming both process counts and leave run.dir byte-iden
 import json
 import random
 import re
+import shutil
 import signal
 import time
 from collections import Counter
@@ -15,10 +16,11 @@ import pytest
 from async_rl.audit import audit
 from async_rl.checkpoint import read_ledger
 from async_rl.ledger import Ledger
-from helpers import (checkpoint_steps, finish_job, read_stderr, run_cli, spawn_job, tree_digest, wait_for_step,
+from async_rl.train import train
+from helpers import (cfg, checkpoint_steps, finish_job, read_stderr, spawn_job, tree_digest, wait_for_step,
                      wait_until)
 
-RECORDS, EPOCHS, PPS = 40, 2, 6
+RECORDS, EPOCHS, PPS = 30, 2, 6
 BASE = [f"data.num_records={RECORDS}", f"data.num_epochs={EPOCHS}", "data.shuffle=true",
         f"rollout.prompts_per_step={PPS}", "checkpoint.every_steps=2", "checkpoint.keep=100", "log.rollouts=true"]
 RESHARDED = re.compile(r"resharded from (\d+) to (\d+) processes at step (\d+)")
@@ -105,31 +107,81 @@ def check_job(run_dir, legs, staleness_bound):
     return carried
 
 
-@pytest.mark.parametrize("sampler", ["in_order"])
-def test_resize_2_1_3_with_kills_exactly_once(tmp_path, sampler):
+def resize_job(run_dir, sampler, partial, seed, long=False):
     """2 processes x 2 devices, killed at a random moment; 1 process x 4 devices (re-partition),
     killed before its first checkpoint; again (the same re-partition), killed at a random
     moment after it saved; 1 process x 2 devices with mesh.fsdp=2 (same count, other devices
-    and mesh); 3 processes to the end (re-partition again)."""
+    and mesh); 3 processes (re-partition again) to the end. `long` adds kills inside a save,
+    right after one, and during the 3-process leg."""
     knob = ["sampler.max_lookahead=1"] if sampler == "in_order" else ["sampler.max_staleness=2"]
-    legs = Legs(tmp_path, [*BASE, f"sampler.name={sampler}", *knob, "rollout.partial=true"], seed=0)
+    legs = Legs(run_dir, [*BASE, f"sampler.name={sampler}", *knob, f"rollout.partial={str(partial).lower()}"], seed)
+    if long:
+        legs.run_leg(2, kill_at="ckpt_write:2")
     legs.run_leg(2, random_after=(3, 2))
-    s = max(checkpoint_steps(tmp_path))
+    s = max(checkpoint_steps(run_dir))
     err = legs.run_leg(1, devices=4, kill_at=f"step:{s + 1}")[0]
     assert f"resharded from 2 to 1 processes at step {s}" in err, err[-3000:]
+    if long:  # killed right after its first save returned: that save may or may not have committed
+        legs.run_leg(1, devices=4, kill_at=f"ckpt_saved:{s + 2}")
     err = legs.run_leg(1, devices=4, random_after=(s + 3, s + 2))[0]
-    assert f"resharded from 2 to 1 processes at step {s}" in err, err[-3000:]
-    t = max(checkpoint_steps(tmp_path))
+    t = max(checkpoint_steps(run_dir))
     err = legs.run_leg(1, "mesh.fsdp=2", f"train.max_steps={t + 1}", devices=2)[0]
     assert "resharded from" not in err and f"resumed step {t}" in err, err[-3000:]
     assert re.search(r"mesh changed since step \d+: data=4 fsdp=1 tensor=1 over 1 process\(es\) x 4 devices .*"
                      r"-> data=1 fsdp=2 tensor=1 over 1 process\(es\) x 2 devices", err), err[-3000:]
+    if long:
+        errs = legs.run_leg(3, "mesh.fsdp=1", random_after=(t + 3, t + 2))
+        assert f"resharded from 1 to 3 processes at step {t + 1}" in errs[0], errs[0][-3000:]
     errs = legs.run_leg(3, "mesh.fsdp=1")
-    assert all(f"resharded from 1 to 3 processes at step {t + 1}" in e for e in errs), errs[0][-3000:]
-    assert legs.kills == 3
-    carried = check_job(tmp_path, legs, staleness_bound=1)
+    if not long:
+        assert all(f"resharded from 1 to 3 processes at step {t + 1}" in e for e in errs), errs[0][-3000:]
+    assert legs.kills == (6 if long else 3)
+    carried = check_job(run_dir, legs, staleness_bound=1 if sampler == "in_order" else 2)
     assert carried > 0  # the resizes did carry finished work over
-    gens = Counter(r.get("gen", 0) for r in rows_of(tmp_path, "lineage"))
-    assert set(gens) == {0, 1, 2}
-    final = json.loads((tmp_path / "final.json").read_text())
+    assert set(Counter(r.get("gen", 0) for r in rows_of(run_dir, "lineage"))) == {0, 1, 2}
+    final = json.loads((run_dir / "final.json").read_text())
     assert final["reason"] == "data_exhausted" and final["complete_epochs"] == list(range(EPOCHS))
+
+
+def test_resize_2_1_3_with_kills_exactly_once(tmp_path):
+    run = tmp_path / "run"
+    resize_job(run, "in_order", partial=True, seed=0)
+    # the audit reads every generation: a line deleted from an earlier one fails
+    for gen, name in ((0, "lineage.p1.jsonl"), (1, "lineage.jsonl")):
+        copy = tmp_path / f"tampered{gen}"
+        shutil.copytree(run, copy)
+        (copy / "final.json").unlink()
+        lines = (copy / name).read_text().splitlines(keepends=True)
+        mine = [i for i, line in enumerate(lines) if json.loads(line).get("gen", 0) == gen]
+        del lines[mine[len(mine) // 2]]
+        (copy / name).write_text("".join(lines))
+        rep = audit(copy)
+        assert not rep["ok"] and any(f"(generation {gen}): ordinals" in p and "neither in the log" in p
+                                     for p in rep["problems"]), rep["problems"]
+
+
+SOAK = [(s, p) for s in ("in_order", "fifo") for p in (True, False)]
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("sampler, partial", SOAK, ids=[f"{s}-{'partial' if p else 'whole'}" for s, p in SOAK])
+def test_soak_resize_matrix(tmp_path, sampler, partial):
+    resize_job(tmp_path, sampler, partial, seed=len(sampler) + partial, long=True)
+
+
+def test_resizes_that_cannot_work_are_refused_and_touch_nothing(tmp_path):
+    ov = ["data.num_records=12", "rollout.prompts_per_step=3", "checkpoint.every_steps=1", "train.max_steps=2",
+          "run.determinism=true"]
+    train(cfg(tmp_path, *ov))  # written by 1 process
+    before = tree_digest(tmp_path)
+    for nproc, needles in ((2, ["rollout.prompts_per_step=3", "over the 2 processes",
+                                "step 2 in", "written by 1 process(es)"]),
+                           (3, ["run.determinism=true", "written by 1 process(es), this job has 3",
+                                "nothing was changed"])):
+        procs = spawn_job(tmp_path, *ov, nproc=nproc, devices_per_process=2)
+        codes = finish_job(procs, timeout=240)
+        errs = [read_stderr(p) for p in procs]
+        assert codes == [2] * nproc, (codes, errs[0][-3000:])
+        for err in errs:
+            assert all(n in err for n in needles) and "Traceback" not in err, err[-3000:]
+        assert tree_digest(tmp_path) == before, nproc
