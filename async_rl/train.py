@@ -37,6 +37,7 @@ from . import signals as sig
 from .checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
 from .config import Config, ConfigError
 from .engine import Engine
+from .evaluate import make_evaluator
 from .ledger import Ledger
 from .learner import Learner, build_batch, params_fingerprint
 from .lineage import RunLogs
@@ -282,6 +283,12 @@ class Session:
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log)
+        self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
+                                        devices=list(self.engine.mesh.devices.flat)) if self.primary else None
+        if self.evaluator is not None:
+            log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
+        self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
+        self.params_e = params_e
         self.clock = StepClock()
         self.rates = _Rates()
         self.t_start = time.perf_counter()
@@ -351,7 +358,8 @@ class Session:
         self.step += 1
         # publish before the groups leave the ledger: a gate that counts buffered groups
         # (fifo) must not let the pump start new work on the old weights in between
-        self.pump.publish(self.step, self.engine.load_params(self.learner.publishable(self.state["params"])))
+        self.params_e = self.engine.load_params(self.learner.publishable(self.state["params"]))
+        self.pump.publish(self.step, self.params_e)
         if self.trained == 0 and self.primary:
             (self.parts.run_dir / "final.json").unlink(missing_ok=True)  # the run goes on past its end
         with ledger.lock:
@@ -368,7 +376,17 @@ class Session:
         if self.save_blocking_s is not None:
             host["ckpt/save_blocking_s"] = self.save_blocking_s  # the save after the previous step
             self.save_blocking_s = None
+        if self.evaluator is not None and self.step % cfg.eval.every_steps == 0:
+            host.update(self.evaluate())
         self.pending = (self.step, dev_metrics, host)
+
+    def evaluate(self) -> dict:
+        """Held-out scores of the weights after this step (in this step's metrics row)."""
+        t0 = time.perf_counter()
+        out = self.evaluator(self.params_e)
+        out["perf/eval_s"] = time.perf_counter() - t0
+        self.evaluated = self.step
+        return out
 
     def flush_metrics(self) -> None:
         if self.pending is None:
@@ -421,6 +439,8 @@ class Session:
             if not self.trained:
                 self.log(f"{self.signals.received} during start-up: stopped before training "
                          f"({'at checkpoint step ' + str(self.step) if self.last_saved >= 0 else 'nothing trained'})")
+        if self.evaluator is not None and self.evaluated != self.step and self.pending is not None:
+            self.pending[2].update(self.evaluate())  # the end of the run: score its final weights
         self.flush_metrics()
         if self.last_saved != self.step and (self.trained or not self.signals.received):
             self.save()
@@ -551,4 +571,8 @@ def _report(cfg: Config, res: RunResult, history: list[dict], wall: float, log) 
     msg = (f"done: step {res.step} ({res.reason}) in {wall:.0f}s; mean reward {res.reward_first:.3f} -> "
            f"{res.reward_last:.3f} (last 5 steps)")
     msg += f"; reached {target} at step {hit['step']}" if hit is not None else f"; did not reach {target}"
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        msg += (f"; held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f} "
+                f"(step {evals[-1]['step']})")
     log(msg)

@@ -14,7 +14,7 @@ FAST = ["log.progress=false", "log.tensorboard=false", "log.plot=false",
         f"run.compilation_cache={_os.environ.get('ASYNC_RL_TEST_XLA_CACHE', '')}",
         "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_kv_heads=2",
         "engine.max_concurrent_decodes=16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
-        "data.max_digits=4", "checkpoint.every_steps=0"]
+        "data.max_digits=4", "checkpoint.every_steps=0", "eval.every_steps=0"]
 
 
 def cfg(run_dir: Path, *overrides: str) -> C.Config:
