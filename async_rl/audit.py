@@ -6,13 +6,18 @@ and the newest readable checkpoint's ledger shards, and checking the whole histo
 
 - per epoch: every expected prompt id trained once (missing ids count once the epoch is
   complete), none twice, none outside the dataset;
-- per process log: each stream ordinal once, steps never going back (lines out of place, or
-  a history that restarted from scratch);
+- per process log: each stream ordinal once per generation, steps never going back (lines
+  out of place, or a history that restarted from scratch);
 - across logs: steps contiguous from 1 to the last;
 - against the checkpoint (I1 at its cut): for every process, the ordinals of the lines it had
   written by then and the ordinals its ledger held are disjoint and together exactly
   0 .. next_ordinal-1; lines written after it (a killed run: cut on resume) belong to later
-  steps and to groups that ledger held.
+  steps and to groups that ledger held;
+- across process counts: a run resumed on another number of processes is a new generation
+  (lines tagged `gen`, ordinals from 0 again); the checkpoint records each re-partition, and
+  each process of each earlier generation is checked at the re-partition that ended it as
+  above (its ledger then is what was dealt out), and every line belongs to a generation and
+  process of that history.
 
 Does not own: writing any of these (train, lineage) or their formats (checkpoint, ledger).
 """
@@ -73,7 +78,7 @@ def _manifest(run: Path) -> dict:
 
 
 def _checkpoint(run: Path, notes: list[str]) -> dict | None:
-    """{step, processes: [ledger shard]} of the newest checkpoint whose shards all verify."""
+    """{step, shards, generations} of the newest checkpoint whose ledger shards all verify."""
     from .checkpoint import Damaged, read_ledger
     d = run / "checkpoints"
     steps = sorted((int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
@@ -86,49 +91,106 @@ def _checkpoint(run: Path, notes: list[str]) -> dict | None:
         except (Damaged, OSError, ValueError) as e:
             notes.append(f"checkpoint step {step} unreadable ({e}); checked against an older one")
             continue
-        return {"step": step, "shards": shards}
+        return {"step": step, "shards": shards, "generations": meta.get("generations") or []}
     return None
 
 
-def _check_process(i: int, path: Path, rows, ckpt: dict | None, problems: list[str]) -> int:
-    """Checks one process's log (and against the checkpoint); returns its lines after the cut."""
-    seen: dict[int, int] = {}
+def _log_name(i: int) -> str:
+    return "lineage.jsonl" if i == 0 else f"lineage.p{i}.jsonl"
+
+
+def _check_file(path: Path, rows, problems: list[str]) -> None:
+    """One process index's log: steps never go back; each ordinal once per generation."""
+    seen: dict[tuple[int, int], int] = {}
     prev = None
     for lineno, _, r in rows:
         if prev is not None and r["step"] < prev:
             problems.append(f"{path}:{lineno}: step {r['step']} after step {prev} (a line out of place, or a "
                             "history that restarted from scratch)")
         prev = r["step"]
-        if r["ordinal"] in seen:
-            problems.append(f"{path}:{lineno}: ordinal {r['ordinal']} already trained at line {seen[r['ordinal']]}")
-        seen.setdefault(r["ordinal"], lineno)
-    if ckpt is None or i >= len(ckpt["shards"]):
-        return 0
-    snap, s = ckpt["shards"][i], ckpt["step"]
-    want = int((snap.header.get("logs") or {}).get("lineage_bytes", -1))
+        key = (r.get("gen", 0), r["ordinal"])
+        if key in seen:
+            problems.append(f"{path}:{lineno}: ordinal {r['ordinal']} already trained at line {seen[key]}")
+        seen.setdefault(key, lineno)
+
+
+def _cuts(ckpt: dict) -> list[dict]:
+    """Every (generation, process) whose history is pinned down: each process of each earlier
+    generation at the re-partition that ended it, and each process of the newest checkpoint."""
+    out = []
+    for h, rec in enumerate(ckpt["generations"]):
+        for p, sh in enumerate(rec["shards"]):
+            out.append({"gen": h, "i": p, "next": int(sh["next_ordinal"]), "held": {int(o) for o in sh["held"]},
+                        "bytes": int(sh["lineage_bytes"]), "step": int(rec["step"]), "closed": True})
+    for q, snap in enumerate(ckpt["shards"]):
+        held = {int(o) for o in snap.arrays["group_ints"][:, 0]} if len(snap.arrays["group_ints"]) else set()
+        out.append({"gen": len(ckpt["generations"]), "i": q, "next": int(snap.header["next_ordinal"]), "held": held,
+                    "bytes": int((snap.header.get("logs") or {}).get("lineage_bytes", -1)), "step": ckpt["step"],
+                    "closed": False})
+    return out
+
+
+def _check_cut(c: dict, path: Path, rows, problems: list[str]) -> int:
+    """I1 at a cut: the ordinals one process of one generation logged by then and those its
+    ledger held are disjoint and together exactly 0 .. next_ordinal-1; returns its lines after
+    the newest checkpoint's cut (a killed run: cut on resume)."""
+    s, want = c["step"], c["bytes"]
+    where = f"the re-partition at step {s}" if c["closed"] else f"checkpoint step {s}"
+    who = f"{path}" + (f" (generation {c['gen']})" if c["gen"] or c["closed"] else "")
     if want >= 0 and path.exists() and path.stat().st_size < want:
-        problems.append(f"{path}: {path.stat().st_size} bytes, but checkpoint step {s} recorded {want}: "
+        problems.append(f"{path}: {path.stat().st_size} bytes, but {where} recorded {want}: "
                         "lines of trained groups are missing")
-    before = [r for _, end, r in rows if want < 0 or end <= want]
-    after = [(ln, r) for ln, end, r in rows if want >= 0 and end > want]
-    held = {int(o) for o in snap.arrays["group_ints"][:, 0]} if len(snap.arrays["group_ints"]) else set()
-    trained = {r["ordinal"] for r in before}
+    mine = [(ln, end, r) for ln, end, r in rows if r.get("gen", 0) == c["gen"]]
+    before = [r for _, end, r in mine if want < 0 or end <= want]
+    after = [(ln, r) for ln, end, r in mine if want >= 0 and end > want]
+    held, trained = c["held"], {r["ordinal"] for r in before}
     late = [r["step"] for r in before if r["step"] > s]
     if late:
-        problems.append(f"{path}: lines of step {late[0]} before checkpoint step {s}'s cut")
+        problems.append(f"{who}: lines of step {late[0]} before {where}'s cut")
     both = sorted(trained & held)
     if both:
-        problems.append(f"{path}: ordinals {_ids(both)} trained and also held by the ledger of step {s}")
-    missing = sorted(set(range(int(snap.header["next_ordinal"]))) - trained - held)
+        problems.append(f"{who}: ordinals {_ids(both)} trained and also held by the ledger of {where}")
+    missing = sorted(set(range(c["next"])) - trained - held)
     if missing:
-        problems.append(f"{path}: ordinals {_ids(missing)} were drawn by step {s} but are neither in the log "
+        problems.append(f"{who}: ordinals {_ids(missing)} were drawn by {where} but are neither in the log "
                         "nor in its ledger (lines missing)")
     for ln, r in after:
+        if c["closed"]:
+            problems.append(f"{path}:{ln}: step {r['step']} of generation {c['gen']} written after {where} ended it")
+            break
         if r["step"] <= s or r["ordinal"] not in held:
             problems.append(f"{path}:{ln}: step {r['step']} ordinal {r['ordinal']} written after checkpoint step "
                             f"{s} but not a group its ledger held")
             break
-    return len(after)
+    return 0 if c["closed"] else len(after)
+
+
+def _check_history(ckpt: dict, files: dict, problems: list[str]) -> int:
+    """Every cut of the run's history (see `_cuts`), and lines no cut accounts for; returns the
+    lines written after the newest checkpoint."""
+    after, covered = 0, set()
+    for h, rec in enumerate(ckpt["generations"]):
+        held = sum(len(sh["held"]) for sh in rec["shards"])
+        if sum(rec["dealt"]) != held:
+            problems.append(f"the re-partition at step {rec['step']} dealt {sum(rec['dealt'])} groups, but the "
+                            f"ledgers it read held {held}")
+    for c in _cuts(ckpt):
+        path, rows = files.get(c["i"], (None, []))
+        after += _check_cut(c, path or Path(_log_name(c["i"])), rows, problems)
+        covered.add((c["gen"], c["i"]))
+    newest, s = len(ckpt["generations"]), ckpt["step"]
+    for i, (path, rows) in files.items():
+        for ln, _, r in rows:
+            g = r.get("gen", 0)
+            if (g, i) in covered:
+                continue
+            if g > newest and r["step"] > s:  # an attempt on another process count killed before it saved
+                after += 1
+                continue
+            problems.append(f"{path}:{ln}: a line of generation {g}, which has no process {i} in the history "
+                            f"of checkpoint step {s}")
+            break
+    return after
 
 
 def audit(run_dir: str | Path) -> dict:
@@ -139,12 +201,11 @@ def audit(run_dir: str | Path) -> dict:
     notes: list[str] = []
     ckpt = _checkpoint(run, notes)
     logs = sorted((p for p in run.glob("lineage*.jsonl") if _process_of(p) >= 0), key=_process_of)
-    rows: list[dict] = []
-    lines_after = 0
-    for path in logs:
-        proc_rows = read_lineage(path)
-        lines_after += _check_process(_process_of(path), path, proc_rows, ckpt, problems)
-        rows.extend(r for _, _, r in proc_rows)
+    files = {_process_of(p): (p, read_lineage(p)) for p in logs}
+    rows: list[dict] = [r for _, proc_rows in files.values() for _, _, r in proc_rows]
+    for path, proc_rows in files.values():
+        _check_file(path, proc_rows, problems)
+    lines_after = _check_history(ckpt, files, problems) if ckpt is not None else 0
     steps = {r["step"] for r in rows}
     gaps = sorted(set(range(1, max(steps, default=0) + 1)) - steps)
     if gaps:

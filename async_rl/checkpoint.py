@@ -7,10 +7,12 @@ by Grain's own handler), the digests that make every item verifiable (per state 
 `meta`, a checksum per ledger array, sha256 of the iterator state and of each JSON document), and
 choosing the step to resume from: a step whose files are unreadable or fail their digest is
 *damaged* and skipped (the caller sets it aside); a step that does not fit this config (its
-state's structure, its data stream, its process count) is *refused*: the run stops with
-exit 2 naming each difference, touching nothing. Does not own: when to save or what the
-cut contains (train), the ledger's in-memory form (ledger), the field classification
-(config), or moving files (train, through rundir).
+state's structure, its data stream, a changed process count in deterministic mode) is
+*refused*: the run stops with exit 2 naming each difference, touching nothing. A step
+written by another number of processes is read whole (every process's ledger shard and
+iterator state) for `reshard` to deal out. Does not own: when to save or what the cut
+contains (train), the ledger's in-memory form (ledger), the field classification
+(config), re-partitioning (reshard), or moving files (train, through rundir).
 
 See docs/design.md, "The checkpoint" and "Run directory safety".
 """
@@ -333,6 +335,9 @@ class Restored:
     meta: dict
     changes: list = dataclasses.field(default_factory=list)  # free config changes since the save
     reset_optimizer: bool = False
+    # written by another process count: every old process's (ledger shard, iterator state), in
+    # process order; `ledger` and `iterator_state` are then None until reshard deals them out
+    shards: list | None = None
 
 
 @dataclasses.dataclass
@@ -471,21 +476,29 @@ class Checkpointer:
         meta = _read_signed_json("meta", d / "meta" / "metadata", "meta_sha256")
         changes = _check_config(meta, cfg, d) if cfg is not None else []
         reset = _check_structure(d / "state", abstract_state, cfg, changes)
-        ledger = read_ledger(d / "ledger", _process_prefix())
-        it_state = self._read_iterator(d / "data", ledger.header.get("iterator_sha256"))
+        saved_pc, pc = int(meta.get("processes", 1)), jax.process_count()
+        shards = [self._read_shard(d, _process_prefix(p, saved_pc)) for p in range(saved_pc)] \
+            if saved_pc != pc else [self._read_shard(d, _process_prefix())]
         target = {"params": abstract_state["params"]} if reset else abstract_state
         state = self._read_state(step, target, meta)
         if reset:
             state = {"params": state["params"], "opt": None}
-        try:
-            ledger.validate(max_version=int(meta.get("version", step)))
-        except ValueError as e:
-            raise Damaged("ledger", d / "ledger", f"invalid ({e})") from None
-        return Restored(step=step, state=state, iterator_state=it_state, ledger=ledger, meta=meta,
-                        changes=[c for c in changes if c.kind == "free"], reset_optimizer=reset)
+        for ledger, _ in shards:
+            try:
+                ledger.validate(max_version=int(meta.get("version", step)))
+            except ValueError as e:
+                raise Damaged("ledger", d / "ledger", f"invalid ({e})") from None
+        one = shards[0] if saved_pc == pc else (None, None)
+        return Restored(step=step, state=state, iterator_state=one[1], ledger=one[0], meta=meta,
+                        changes=[c for c in changes if c.kind == "free"], reset_optimizer=reset,
+                        shards=shards if saved_pc != pc else None)
 
-    def _read_iterator(self, d: Path, want: str | None) -> dict:
-        path = d / f"{_process_prefix()}.json"
+    def _read_shard(self, d: Path, prefix: str) -> tuple[LedgerSnapshot, dict]:
+        ledger = read_ledger(d / "ledger", prefix)
+        return ledger, self._read_iterator(d / "data", ledger.header.get("iterator_sha256"), prefix)
+
+    def _read_iterator(self, d: Path, want: str | None, prefix: str) -> dict:
+        path = d / f"{prefix}.json"
         try:
             raw = path.read_bytes()
             state = json.loads(raw)
@@ -525,10 +538,12 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
     structure; returns every change with its kind."""
     step = meta.get("step", where.name)
     saved_pc, pc = meta.get("processes", 1), jax.process_count()
-    if saved_pc != pc:
-        raise C.ConfigError(f"checkpoint step {step} in {where.parent} was written by {saved_pc} process(es), "
-                            f"this job has {pc}: resuming on another process count is not supported "
-                            "(run it with the original count; nothing was changed)")
+    if saved_pc != pc and cfg.run.determinism:
+        raise C.ConfigError(f"run.determinism=true: the checkpoint in {where.parent} (step {step}) was written by "
+                            f"{saved_pc} process(es), this job has {pc}; another process count re-partitions the "
+                            "remaining prompts, so the run cannot stay bit-identical to an unchanged one. Resume "
+                            f"with {saved_pc} process(es), or set run.determinism=false to resize it "
+                            "(nothing was changed)")
     saved = meta.get("config") or {}
     changes = C.changes(saved, cfg)
     stream = [c for c in changes if c.kind == "stream"]
@@ -544,6 +559,18 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
                             "iterator and ledger may already hold. Revert it or use a new run.dir "
                             "(nothing was changed)")
     return changes
+
+
+def saved_processes(directory: Path) -> tuple[int, int] | None:
+    """(step, process count) of the newest committed step in `directory` whose meta reads, or None."""
+    d = Path(directory)
+    for step in sorted((int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
+            if d.is_dir() else []:
+        try:
+            return step, int(json.loads((d / str(step) / "meta" / "metadata").read_text()).get("processes", 1))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def _check_structure(state_dir: Path, abstract_state, cfg: C.Config | None, changes: list) -> bool:

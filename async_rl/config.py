@@ -272,6 +272,20 @@ class JournalConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    every_steps: int = 0  # score held-out prompts every N learner steps (and at the end); 0 = off
+    path: str = ""  # held-out prompt file, fields as data.*; "" = synthetic ids disjoint from training
+    num_records: int = 256  # held-out prompts (a file: its first N, 0 = all)
+    samples_per_prompt: int = 1  # 1 = greedy pass@1; k > 1 = k samples at engine.temperature, pass@k
+    correct_threshold: float = 1.0  # a completion is correct when its reward is at least this
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "eval.every_steps", self.every_steps, "must be >= 0")
+        _check(self.num_records >= 0, "eval.num_records", self.num_records, "must be >= 0")
+        _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     progress: bool = True  # live progress bar on stderr
     tensorboard: bool = True  # TensorBoard event files in run.dir/tb
@@ -297,6 +311,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
@@ -317,6 +332,9 @@ class Config:
             _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups",
                    s.max_buffered_groups,
                    f"must hold at least one step (rollout.prompts_per_step={self.rollout.prompts_per_step})")
+        if self.eval.every_steps and not self.eval.path:
+            _check(self.data.source == "synthetic", "eval.path", self.eval.path,
+                   f"required with eval.every_steps > 0 for data.source={self.data.source}")
         width = self.engine.max_prompt_len + self.rollout.max_new_tokens
         if self.model.learned_positions:
             _check(self.model.learned_positions >= width, "model.learned_positions", self.model.learned_positions,
@@ -410,6 +428,24 @@ def build(tree: dict[str, dict[str, Any]]) -> Config:
         raise ConfigError(str(e)) from None
 
 
+def _apply(tree: dict, overrides) -> None:
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"{ov!r}: overrides are written group.field=value")
+        key, raw = ov.split("=", 1)
+        _set_path(tree, key.strip(), raw)
+
+
+def with_overrides(cfg: Config, overrides) -> Config:
+    """`cfg` with `group.field=value` overrides applied (e.g. to a run's saved config)."""
+    tree: dict[str, dict[str, Any]] = {}
+    for g, sub in to_dict(cfg).items():
+        for k, v in sub.items():
+            _set_path(tree, f"{g}.{k}", v)
+    _apply(tree, overrides)
+    return build(tree)
+
+
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Loads a YAML preset (optional) and applies `group.field=value` overrides, in order."""
     tree: dict[str, dict[str, Any]] = {}
@@ -428,11 +464,7 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
                 raise ConfigError(f"{group}: expected a mapping of fields in {path}")
             for name, raw in fields_.items():
                 _set_path(tree, f"{group}.{name}", raw)
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"{ov!r}: overrides are written group.field=value")
-        key, raw = ov.split("=", 1)
-        _set_path(tree, key.strip(), raw)
+    _apply(tree, overrides)
     return build(tree)
 
 

@@ -16,9 +16,9 @@ the bytes of a record (`journal_format`).
 A journaled sample is used for sample j of a group only if: the group's (epoch, prompt_id)
 and j match, its prompt tokens match (crc32), it was written under the same sampling
 settings (segment header), its first tokens are the restored partial sample's, the stream
-ordinal matches when the process layout is unchanged, and its versions fit the sampler's
-bound for the group (deterministic mode: exactly the version the engine would use, same
-ordinal). It is applied once every version it names is published, so no ledger token
+ordinal matches when the process layout (and data partition generation) is unchanged, and
+its versions fit the sampler's bound for the group (deterministic mode: exactly the
+version the engine would use, same ordinal). It is applied once every version it names is published, so no ledger token
 ever names weights the run does not have. See docs/design.md, "Rollout journal".
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .journal_format import FORMAT, Entry, Segment, encode_header, encode_sample, prompt_crc, read_segment
-from .journal_format import segment_files, signature
+from .journal_format import layout_of, segment_files, signature
 from .ledger import Group, Sample, State
 
 
@@ -64,10 +64,10 @@ class Journal:
     thread, fdatasync on its sync thread. `_lock` orders the buffer and the open segment."""
 
     def __init__(self, run_dir: Path, *, process_index: int, process_count: int, sig: dict, step: int,
-                 fsync_every_s: float, bound: int, deterministic: bool, log, drop):
+                 fsync_every_s: float, bound: int, deterministic: bool, log, drop, generation: int = 0):
         self.root = Path(run_dir) / "journal"
         self.dir = self.root / f"p{process_index}"
-        self.layout = (process_index, process_count)
+        self.layout = (generation, process_index, process_count)
         self.sig, self.every, self.bound = sig, fsync_every_s, bound
         self.deterministic, self.log, self.drop = deterministic, log, drop
         self.index: dict[tuple[int, int], list[Entry]] = {}
@@ -100,14 +100,16 @@ class Journal:
     # ---- reading back (start-up) ---------------------------------------------------------
 
     def _load(self) -> None:
-        pi, pc = self.layout
+        _, pi, pc = self.layout
         for d in sorted(self.root.glob("p*")):
             j = int(d.name[1:]) if d.name[1:].isdigit() else -1
             owner = j == pi or (pi == 0 and j >= pc)  # process 0 looks after directories no process owns
             for path in segment_files(d):
                 seg = read_segment(path)
-                # another process's files are read only when a different layout wrote them
-                if j != pi and (seg.header is None or seg.header.get("processes") == pc):
+                # another process's files only matter when another layout wrote them (its groups
+                # may have been dealt to this process since)
+                layout = layout_of(seg.header)
+                if j != pi and (seg.header is None or (layout[0], layout[2]) == (self.layout[0], pc)):
                     continue
                 self._take(seg, owner)
 
@@ -268,12 +270,12 @@ class Journal:
     def _open(self, step: int) -> _Open | None:
         self._seq += 1
         path = self.dir / f"{self._seq:08d}.jrn"
-        pi, pc = self.layout
+        gen, pi, pc = self.layout
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
             seg = _Open(path, fd)
-            self._write(seg, encode_header({"format": FORMAT, "process": pi, "processes": pc, "step": step,
-                                            "time": time.time(), "signature": self.sig}))
+            self._write(seg, encode_header({"format": FORMAT, "generation": gen, "process": pi, "processes": pc,
+                                            "step": step, "time": time.time(), "signature": self.sig}))
         except OSError as e:
             self._fail(e)
             return None
@@ -452,7 +454,7 @@ class Journal:
 
 
 def open_journal(cfg, run_dir: Path, *, step: int, process_index: int, process_count: int, stop_ids, log,
-                 drop) -> Journal | None:
+                 drop, generation: int = 0) -> Journal | None:
     """This session's journal (None with journal.enabled=false); reads what earlier sessions wrote."""
     if not cfg.journal.enabled:
         return None
@@ -462,4 +464,4 @@ def open_journal(cfg, run_dir: Path, *, step: int, process_index: int, process_c
     return Journal(run_dir, process_index=process_index, process_count=process_count,
                    sig=signature(cfg, reward_for_config(cfg)[0], stop_ids), step=step,
                    fsync_every_s=cfg.journal.fsync_every_s, bound=bound, deterministic=cfg.run.determinism,
-                   log=log, drop=drop)
+                   log=log, drop=drop, generation=generation)

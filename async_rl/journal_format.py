@@ -66,7 +66,7 @@ class Entry:
     tokens: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # float32 [n]
     versions: np.ndarray  # int32 [n]
-    layout: tuple  # (process index, process count) of the writer
+    layout: tuple  # (data partition generation, process index, process count) of the writer
     where: str  # file:offset, for messages
 
     @property
@@ -137,7 +137,7 @@ def read_segment(path: Path) -> Segment:
             header = json.loads(recs[0][1][1:])
         except ValueError:
             header = None
-    layout = (header.get("process"), header.get("processes")) if header else (None, None)
+    layout = layout_of(header)
     entries = []
     for off, p in recs:
         if p[:1] == bytes([KIND_SAMPLE]):
@@ -147,6 +147,14 @@ def read_segment(path: Path) -> Segment:
             else:
                 entries.append(e)
     return Segment(Path(path), header, entries, bad, torn)
+
+
+def layout_of(header: dict | None) -> tuple:
+    """(generation, process index, process count) a segment was written under: ordinals mean the
+    same only within one (an elastic resume re-deals groups and numbers them again)."""
+    if header is None:
+        return (None, None, None)
+    return (header.get("generation", 0), header.get("process"), header.get("processes"))
 
 
 def segment_files(directory: Path) -> list[Path]:

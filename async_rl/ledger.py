@@ -97,6 +97,7 @@ class Ledger:
         self.changed = threading.Condition(self.lock)  # notified on every state change
         self.groups: dict[int, Group] = {}
         self.next_ordinal = 0  # ordinal the next drawn record gets
+        self.base_step = 0  # learner steps before ordinal 0 was drawn (a re-partitioned ledger starts later)
         self.exhausted = False  # the iterator raised StopIteration (I7)
         self.trained_groups = 0
         self.trained_tokens = 0
@@ -176,7 +177,7 @@ class Ledger:
             ints = [(g.ordinal, g.prompt_id, g.epoch, -1 if g.target_step is None else g.target_step,
                      g.regenerations) for g in groups]
             counters = {"samples_per_prompt": self.samples_per_prompt, "next_ordinal": self.next_ordinal,
-                        "exhausted": self.exhausted, "trained_groups": self.trained_groups,
+                        "base_step": self.base_step, "exhausted": self.exhausted, "trained_groups": self.trained_groups,
                         "trained_tokens": self.trained_tokens, "regenerated_groups": self.regenerated_groups,
                         "regenerated_tokens": self.regenerated_tokens, "dropped": dict(self.dropped)}
             return Capture(groups, samples, ints, counters)
@@ -195,6 +196,7 @@ class Ledger:
         S = int(h["samples_per_prompt"])
         led = cls(S)
         led.next_ordinal = int(h["next_ordinal"])
+        led.base_step = int(h.get("base_step", 0))
         led.exhausted = bool(h["exhausted"])
         led.trained_groups = int(h["trained_groups"])
         led.trained_tokens = int(h.get("trained_tokens", 0))
@@ -314,8 +316,9 @@ class LedgerSnapshot:
             raise ValueError(f"arrays missing: {', '.join(missing)}")
         S, nxt = int(h["samples_per_prompt"]), int(h["next_ordinal"])
         gi = a["group_ints"]
-        if S < 1 or nxt < 0 or gi.ndim != 2 or gi.shape[1] != 5:
-            raise ValueError(f"samples_per_prompt={S}, next_ordinal={nxt}, group_ints {gi.shape}")
+        if S < 1 or nxt < 0 or gi.ndim != 2 or gi.shape[1] != 5 or int(h.get("base_step", 0)) < 0:
+            raise ValueError(f"samples_per_prompt={S}, next_ordinal={nxt}, base_step={h.get('base_step', 0)}, "
+                             f"group_ints {gi.shape}")
         G = len(gi)
         _lengths("prompt_lens", a["prompt_lens"], G, a["prompt_tokens"], minimum=1)
         _lengths("sample_lens", a["sample_lens"], G * S, a["tokens"])

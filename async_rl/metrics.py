@@ -69,7 +69,7 @@ def _fmt(v: Any) -> str:
 class MetricsSink:
     """metrics.jsonl every step; TensorBoard and the console every `every` steps."""
 
-    CONSOLE = ("rollout/reward_mean", "learner/loss", "learner/entropy", "perf/tokens_per_s",
+    CONSOLE = ("rollout/reward_mean", "eval/accuracy", "learner/loss", "learner/entropy", "perf/tokens_per_s",
                "perf/learner_idle_frac", "rollout/staleness_mean")
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
@@ -116,8 +116,11 @@ class MetricsSink:
 
 
 def plot_rewards(metrics_path: Path, out: Path) -> bool:
-    """reward.png: mean reward per step (with a moving average) from metrics.jsonl."""
-    rows = [r for r in read_jsonl(metrics_path) if r.get("rollout/reward_mean") is not None]
+    """reward.png: mean reward per step (with a moving average) from metrics.jsonl, and the
+    held-out accuracy where the run evaluated."""
+    all_rows = read_jsonl(metrics_path)
+    rows = [r for r in all_rows if r.get("rollout/reward_mean") is not None]
+    evals = [r for r in all_rows if r.get("eval/accuracy") is not None]
     if not rows:
         return False
     import matplotlib
@@ -130,8 +133,11 @@ def plot_rewards(metrics_path: Path, out: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, rew, alpha=0.35, label="mean reward")
     ax.plot(steps, smooth, label=f"moving average ({k})")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", markersize=3,
+                label="held-out accuracy")
     ax.set_xlabel("learner step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("reward / accuracy" if evals else "reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -105,7 +105,8 @@ class _Sampler:
 
 
 class InOrderSampler(_Sampler):
-    """Step t trains exactly the groups with stamp t = ordinal // prompts_per_step + 1.
+    """Step t trains exactly the groups with stamp t = base + ordinal // prompts_per_step + 1
+    (base: the ledger's `base_step`, 0 unless it was re-partitioned onto another process count).
 
     Generation may run `max_lookahead` steps ahead: a group stamped t may be generated
     once version t-1-L is published. In deterministic mode it is generated with exactly
@@ -116,7 +117,7 @@ class InOrderSampler(_Sampler):
     name = "in_order"
 
     def stamp(self, ordinal: int) -> int:
-        return ordinal // self.pps + 1
+        return self.ledger.base_step + ordinal // self.pps + 1
 
     def required_version_for_stamp(self, step: int) -> int:
         return max(0, step - 1 - self.lookahead)
@@ -138,7 +139,7 @@ class InOrderSampler(_Sampler):
 
     def _try(self, step: int):
         led = self.ledger
-        lo, hi = (step - 1) * self.pps, step * self.pps
+        lo, hi = (step - 1 - led.base_step) * self.pps, (step - led.base_step) * self.pps
         if led.exhausted and led.next_ordinal <= lo:
             return None
         if led.next_ordinal < hi and not led.exhausted:
@@ -153,7 +154,7 @@ class InOrderSampler(_Sampler):
 
     def finished(self, step: int) -> bool:
         with self.ledger.lock:  # no record was drawn for step + 1 and none will be
-            return self.ledger.exhausted and self.ledger.next_ordinal <= step * self.pps
+            return self.ledger.exhausted and self.ledger.next_ordinal <= (step - self.ledger.base_step) * self.pps
 
 
 class _StalenessSampler(_Sampler):

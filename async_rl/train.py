@@ -32,12 +32,13 @@ import numpy as np
 
 from . import config as C
 from . import data as data_mod
-from . import faults, hf, rewards, rundir, sharding
+from . import faults, hf, reshard, rewards, rundir, sharding
 from . import journal as journal_mod
 from . import signals as sig
 from .checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
 from .config import Config, ConfigError
 from .engine import Engine
+from .evaluate import make_evaluator
 from .ledger import Ledger
 from .learner import Learner, build_batch, params_fingerprint
 from .lineage import RunLogs
@@ -71,6 +72,7 @@ class Parts:
     engine: Engine
     ckpt: Checkpointer
     local_pps: int  # this process's groups per step
+    generations: list = field(default_factory=list)  # re-partitions onto other process counts (reshard)
 
 
 @dataclass
@@ -140,7 +142,8 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     pps, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     if pps % pc:
         raise ConfigError(f"rollout.prompts_per_step={pps}: must divide over the {pc} processes (each "
-                          "process generates its share of every step from its own shard of the data)")
+                          "process generates its share of every step from its own shard of the data)"
+                          + reshard.count_note(run_dir))
     shards = sharding.batch_shards(devices.learner)
     if (pps * G) % shards:
         raise ConfigError(f"rollout.prompts_per_step={pps}: prompts_per_step x samples_per_prompt "
@@ -197,7 +200,7 @@ def choose_start(parts: Parts, log) -> Start:
 
 
 def _resumed(parts: Parts, restored: Restored, damaged: list[DamagedStep], log) -> Start:
-    parts.iterator.set_state(restored.iterator_state)  # a changed data file is refused here
+    reshard.restore_data(parts, restored, log)  # another process count: re-partitioned; sets the iterator
     ledger = Ledger.from_snapshot(restored.ledger)
     if ledger.exhausted and not parts.iterator.exhausted:
         ledger.exhausted = False  # more epochs than before: the stream continues
@@ -230,6 +233,9 @@ def take(parts: Parts, start: Start, log) -> None:
     sharding.agree([1])  # every process sees the moves before opening the manager
     parts.ckpt.open()
     if primary:
+        cut = reshard.cut_inactive_logs(run_dir, parts.generations, jax.process_count())
+        if cut:
+            log(f"cut {cut} bytes of the logs of processes this run no longer has (written after its checkpoint)")
         rundir.write_if_changed(run_dir / "config.yaml", C.to_yaml(cfg))
         rundir.write_if_changed(run_dir / "data.json", json.dumps({
             "prompt_ids": [int(i) for i in parts.pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
@@ -251,7 +257,7 @@ class Session:
         self.pc, self.primary = jax.process_count(), pi == 0
         self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
         self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
-                            suffix=f".p{pi}" if pi else "")
+                            suffix=f".p{pi}" if pi else "", generation=len(parts.generations))
         saved_logs = start.restored.ledger.header.get("logs") if start.restored else None
         cut = self.logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
         self.ledger, self.state, self.step = start.ledger, start.state, start.step
@@ -274,7 +280,8 @@ class Session:
                                     groups_per_step=parts.local_pps)
         self.journal = journal_mod.open_journal(
             cfg, parts.run_dir, step=self.step, process_index=pi, process_count=self.pc,
-            stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append)
+            stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append,
+            generation=len(parts.generations))
         self.journal_compacted = self.step  # newest committed checkpoint the journal was compacted to
         if self.journal is not None and (line := self.journal.restore(self.ledger, self.sampler, self.step)):
             log(line)
@@ -284,6 +291,12 @@ class Session:
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal)
+        self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
+                                        devices=list(self.engine.mesh.devices.flat)) if self.primary else None
+        if self.evaluator is not None:
+            log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
+        self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
+        self.params_e = params_e
         self.clock = StepClock()
         self.rates = _Rates()
         self.t_start = time.perf_counter()
@@ -353,7 +366,8 @@ class Session:
         self.step += 1
         # publish before the groups leave the ledger: a gate that counts buffered groups
         # (fifo) must not let the pump start new work on the old weights in between
-        self.pump.publish(self.step, self.engine.load_params(self.learner.publishable(self.state["params"])))
+        self.params_e = self.engine.load_params(self.learner.publishable(self.state["params"]))
+        self.pump.publish(self.step, self.params_e)
         if self.trained == 0 and self.primary:
             (self.parts.run_dir / "final.json").unlink(missing_ok=True)  # the run goes on past its end
         with ledger.lock:
@@ -373,7 +387,17 @@ class Session:
         if self.save_blocking_s is not None:
             host["ckpt/save_blocking_s"] = self.save_blocking_s  # the save after the previous step
             self.save_blocking_s = None
+        if self.evaluator is not None and self.step % cfg.eval.every_steps == 0:
+            host.update(self.evaluate())
         self.pending = (self.step, dev_metrics, host)
+
+    def evaluate(self) -> dict:
+        """Held-out scores of the weights after this step (in this step's metrics row)."""
+        t0 = time.perf_counter()
+        out = self.evaluator(self.params_e)
+        out["perf/eval_s"] = time.perf_counter() - t0
+        self.evaluated = self.step
+        return out
 
     def flush_metrics(self) -> None:
         if self.pending is None:
@@ -406,7 +430,7 @@ class Session:
         if pump.error is not None:
             raise pump.error
         meta = {"step": s, "version": s, "data_stream": C.data_stream(self.cfg), "config": C.to_dict(self.cfg),
-                "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time()}
+                "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
         self.ckpt.save(s, self.state, it_state, cut, meta)
         if self.cfg.run.determinism:
             pump.resume()
@@ -437,6 +461,8 @@ class Session:
             if not self.trained:
                 self.log(f"{self.signals.received} during start-up: stopped before training "
                          f"({'at checkpoint step ' + str(self.step) if self.last_saved >= 0 else 'nothing trained'})")
+        if self.evaluator is not None and self.evaluated != self.step and self.pending is not None:
+            self.pending[2].update(self.evaluate())  # the end of the run: score its final weights
         self.flush_metrics()
         if self.last_saved != self.step and (self.trained or not self.signals.received):
             self.save()
@@ -510,7 +536,7 @@ def report(parts: Parts, s: Session, log) -> RunResult:
     fp = params_fingerprint(learner.publishable(s.state["params"]) if s.pc > 1 else s.state["params"])
     with ledger.lock:
         open_epochs = {g.epoch for g in ledger.groups.values()}
-        next_epoch = ledger.next_ordinal // max(parts.pd.records_per_epoch, 1)
+        next_epoch = parts.pd.epoch_at(parts.iterator.next_index)  # every epoch before it is drawn here
         local_done = [e not in open_epochs and (ledger.exhausted or e < next_epoch) for e in range(cfg.data.num_epochs)]
     complete = [e for e, ok in enumerate(sharding.agree(local_done).all(axis=0)) if ok]
     exhausted = bool(sharding.agree([ledger.exhausted]).all())
@@ -573,4 +599,8 @@ def _report(cfg: Config, res: RunResult, history: list[dict], wall: float, log) 
     msg = (f"done: step {res.step} ({res.reason}) in {wall:.0f}s; mean reward {res.reward_first:.3f} -> "
            f"{res.reward_last:.3f} (last 5 steps)")
     msg += f"; reached {target} at step {hit['step']}" if hit is not None else f"; did not reach {target}"
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        msg += (f"; held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f} "
+                f"(step {evals[-1]['step']})")
     log(msg)

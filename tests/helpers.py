@@ -14,7 +14,7 @@ FAST = ["log.progress=false", "log.tensorboard=false", "log.plot=false",
         f"run.compilation_cache={_os.environ.get('ASYNC_RL_TEST_XLA_CACHE', '')}",
         "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_kv_heads=2",
         "engine.max_concurrent_decodes=16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
-        "data.max_digits=4", "checkpoint.every_steps=0"]
+        "data.max_digits=4", "checkpoint.every_steps=0", "eval.every_steps=0"]
 
 
 def cfg(run_dir: Path, *overrides: str) -> C.Config:
@@ -168,3 +168,50 @@ def handles_sigterm(pid: int) -> bool:
     except OSError:
         return False
     return False
+
+
+def spawn_job(run_dir: Path, *overrides: str, nproc: int = 1, devices_per_process: int | None = None,
+              kill_at: str = "", delay: str = "") -> list[subprocess.Popen]:
+    """`nproc` training processes on `run_dir` (joined through jax.distributed on loopback when
+    more than one), each with `devices_per_process` forced CPU devices (default: this session's);
+    `kill_at` applies to process 0. stderr goes to a temporary file (`read_stderr`)."""
+    import tempfile
+    port = free_port()
+    procs = []
+    for i in range(nproc):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", ASYNC_RL_KILL_AT=kill_at if i == 0 else "",
+                   ASYNC_RL_DELAY=delay)
+        if devices_per_process:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+        if nproc > 1:
+            env.update(ASYNC_RL_DISTRIBUTED="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                       ASYNC_RL_NUM_PROCESSES=str(nproc), ASYNC_RL_PROCESS_ID=str(i))
+        err = tempfile.TemporaryFile(mode="w+")
+        p = subprocess.Popen(cli_args(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=err, text=True, env=env)
+        p.err_file = err
+        procs.append(p)
+    return procs
+
+
+def read_stderr(proc: subprocess.Popen) -> str:
+    proc.err_file.seek(0)
+    return proc.err_file.read()
+
+
+def finish_job(procs: list[subprocess.Popen], timeout: float = 300, kill_rest: bool = False) -> list[int]:
+    """Waits for every process (bounded); with `kill_rest`, once the first ends the others are
+    SIGKILLed (they wait on a collective the dead one never joins). Returns the exit codes."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=60)
+        if kill_rest:
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+    for p in procs:
+        p.wait(timeout=60)
+    return [p.returncode for p in procs]

@@ -21,14 +21,14 @@ PPS = 2  # groups per step in these tests: ordinal o is stamped o // 2 + 1
 class Session:
     """One process's journal over a fresh ledger, as train.Session wires it."""
 
-    def __init__(self, tmp, *overrides, step=0, layout=(0, 1), ledger=None):
+    def __init__(self, tmp, *overrides, step=0, layout=(0, 1), ledger=None, generation=0):
         self.cfg = C.load("configs/tiny.yaml", [f"run.dir={tmp}", "rollout.samples_per_prompt=2",
                                                 f"rollout.prompts_per_step={PPS}", *overrides])
         self.ledger = ledger or Ledger(self.cfg.rollout.samples_per_prompt)
         self.sampler = make_sampler(self.cfg, self.ledger, groups_per_step=PPS)
         self.logs, self.drops = [], []
         self.j = open_journal(self.cfg, tmp, step=step, process_index=layout[0], process_count=layout[1],
-                              stop_ids=(2,), log=self.logs.append, drop=self.drops.extend)
+                              stop_ids=(2,), log=self.logs.append, drop=self.drops.extend, generation=generation)
         self.restore_line = self.j.restore(self.ledger, self.sampler, step)
 
     def draw(self, prompt_id, ordinal=None, latest=0):
@@ -161,6 +161,12 @@ def test_another_process_layout_finds_samples_by_prompt_not_ordinal(tmp_path):
     g2 = b.draw(7, ordinal=0)
     assert g2.samples[0].done
     b.j.close()
+    same = Session(tmp_path, layout=(0, 2))  # p1's own files, same layout: p0 leaves them to p1
+    assert not same.draw(7, ordinal=1).samples[0].done and not same.drops
+    same.j.close()
+    later = Session(tmp_path, layout=(0, 2), generation=2)  # two processes again, groups dealt anew
+    assert later.draw(7, ordinal=1).samples[0].done
+    later.j.close()
     c = Session(tmp_path, "rollout.max_new_tokens=6")  # other sampling settings: not used
     g3 = c.draw(7, ordinal=0)
     assert not g3.samples[0].done

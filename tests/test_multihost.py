@@ -6,7 +6,9 @@ import json
 from async_rl.audit import audit
 from helpers import run_multi
 
-BASE = ["data.num_records=25", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "data.shuffle=false"]
+# synchronous saves: the kill at step 5 must find step 4's checkpoint committed
+BASE = ["data.num_records=25", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "data.shuffle=false",
+        "checkpoint.async=false"]
 
 
 def _rows(run_dir):
@@ -22,9 +24,7 @@ def test_two_processes_stop_kill_resume_exactly_once(tmp_path):
     assert (tmp_path / "lineage.p1.jsonl").exists()
     assert sorted({x["step"] for x in _rows(tmp_path)}) == [1, 2, 3]
     # SIGKILL process 0 right after step 5's lineage; process 1 is stuck in a collective and killed too
-    # synchronous saves: step 4 is committed before step 5 ends (resumed steps are quick: the rollout
-    # journal supplies what the previous run generated ahead)
-    r = run_multi(tmp_path, *BASE, "checkpoint.async=false", kill_at="step:5")
+    r = run_multi(tmp_path, *BASE, kill_at="step:5")
     assert r[0].returncode == -9
     r = run_multi(tmp_path, *BASE)
     assert all(x.returncode == 0 for x in r), r[0].stderr[-3000:] + r[1].stderr[-3000:]

@@ -5,7 +5,9 @@ import shutil
 import pytest
 
 from async_rl.audit import audit
-from helpers import (checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest)
+from async_rl.config import ConfigError
+from async_rl.train import train
+from helpers import (cfg, checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest)
 
 BASE = ["data.shuffle=false", "data.num_records=24", "rollout.prompts_per_step=3"]
 
@@ -112,14 +114,15 @@ def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
                 ("learner.grad_clip=0",), ("model.d_model=48",), ("data.num_epochs=1", "data.num_records=24")]
     with_epochs = run_cli(tmp_path / "e2", *BASE, "data.num_epochs=2", "train.max_steps=1", cache=xla_cache)
     assert with_epochs.returncode == 0, with_epochs.stderr
-    for change in refusals:
+    r = run_cli(tmp_path, *BASE, "data.seed=7", cache=xla_cache)  # the command line: exit 2, one line
+    assert r.returncode == 2 and "data.seed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for change in refusals:  # in-process (faster): the same refusal, raised before anything is written
         where = tmp_path / "e2" if "data.num_epochs=1" in change else tmp_path
         snap = tree_digest(where)
         for _ in range(2):  # and the refusal holds on every invocation
-            r = run_cli(where, *BASE, *change, cache=xla_cache)
-            assert r.returncode == 2, (change, r.stderr[-2000:])
-            assert change[0].split("=")[0] in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
-            assert "nothing was changed" in r.stderr
+            with pytest.raises(ConfigError) as e:
+                train(cfg(where, *BASE, *change))
+            assert change[0].split("=")[0] in str(e.value) and "nothing was changed" in str(e.value)
             assert tree_digest(where) == snap, change
     assert tree_digest(tmp_path, skip=("e2",)) == before
     assert audit(tmp_path)["ok"] and (tmp_path / "final.json").exists()
