@@ -1,49 +1,215 @@
-"""One atomic Orbax step per checkpoint: train state, Grain iterator, ledger and meta.
+"""One atomic Orbax step per checkpoint: train state, Grain iterator, ledger and meta, verified.
 
 Owns: the CheckpointManager (async writes, keep-N, temporary directory + commit), the
-ledger's on-disk form (a small Orbax handler writing its ragged arrays into one file and a JSON
-header per process), the iterator-state item (a frozen copy taken at the cut, written
-by Grain's own handler), choosing the step to resume from (falling back past a damaged
-step, which is moved aside with a warning), and refusing a resume whose config changes
-what the data stream means. Does not own: when to save or what the cut contains
-(train), nor the ledger's in-memory form (ledger).
+ledger's on-disk form (a small Orbax handler writing its ragged arrays into one file and a
+JSON header per process), the iterator-state item (a frozen copy taken at the cut, written
+by Grain's own handler), the digests that make every item verifiable (per state leaf in
+`meta`, a checksum per ledger array, sha256 of the iterator state and of each JSON document), and
+choosing the step to resume from: a step whose files are unreadable or fail their digest is
+*damaged* and skipped (the caller sets it aside); a step that does not fit this config (its
+state's structure, its data stream, a changed process count in deterministic mode) is
+*refused*: the run stops with exit 2 naming each difference, touching nothing. A step
+written by another number of processes is read whole (every process's ledger shard and
+iterator state) for `reshard` to deal out. Does not own: when to save or what the cut
+contains (train), the ledger's in-memory form (ledger), the field classification
+(config), re-partitioning (reshard), or moving files (train, through rundir).
+
+See docs/design.md, "The checkpoint" and "Run directory safety".
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
-import shutil
+import logging
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future
 
+from . import config as C
 from . import faults, sharding
-from .config import ConfigError, DATA_STREAM_FIELDS
 from .ledger import Capture, LedgerSnapshot
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked (exit 2); nothing was changed."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save that did not commit (disk full, I/O error); the last committed step is intact."""
+
+
+class NonFiniteError(RuntimeError):
+    """Non-finite parameters must never be saved over good steps."""
+
+
+class Damaged(Exception):
+    """One item of a step is unreadable or fails its digest."""
+
+    def __init__(self, item: str, path: Path | str, why: str):
+        super().__init__(f"{item}: {why} ({path})")
+        self.item, self.path, self.why = item, str(path), why
+
+
+def _quiet_closed_loops() -> None:
+    """Orbax runs each read on a fresh event loop; when one read fails, tensorstore callbacks
+    still in flight land on the closed loop and Python prints each as an unraisable exception
+    (dozens of tracebacks around one clear warning). Only exactly those are dropped."""
+    prev = sys.unraisablehook
+    if getattr(prev, "quiet_closed_loops", False):
+        return
+
+    def hook(u):
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            prev(u)
+    hook.quiet_closed_loops = True
+    sys.unraisablehook = hook
+
+
+class _OrbaxFailureLogs(logging.Filter):
+    """Orbax logs a failed background save with its traceback (several, from several threads)
+    before raising it to us; we report it once, naming the step and what is intact."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+logging.getLogger("absl").addFilter(_OrbaxFailureLogs())
+
+
+def _sum64(b: np.ndarray) -> int:
+    """The wrapping sum of a byte buffer's 64-bit words (zero-padded): any flipped bit or
+    changed word changes it, at memory speed (about 5x crc32), so checking a ledger file costs
+    next to nothing beside writing it."""
+    n = len(b) // 8 * 8
+    total = int(b[:n].view(np.uint64).sum(dtype=np.uint64)) if n else 0
+    if len(b) > n:
+        total += int(np.frombuffer(b[n:].tobytes() + bytes(8 - (len(b) - n)), np.uint64)[0])
+    return total % 2**64
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def json_digest(doc: dict) -> str:
+    return sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _process_prefix(index: int | None = None, count: int | None = None) -> str:
+    i = jax.process_index() if index is None else index
+    n = jax.process_count() if count is None else count
+    return f"process_{i}-of-{n}"
+
+
+# ---- state digests -------------------------------------------------------------------------
+
+
+def _leaf_digest(x):
+    """A uint32 sum of a bijective mix of (bits, flat index) per element: any change to one
+    element changes it. Elementwise then one reduction, so a sharded leaf is never gathered
+    and the value does not depend on the sharding."""
+    if x.dtype == jnp.bool_:
+        u = x.astype(jnp.uint32)
+    else:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        u = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+    idx, stride = jnp.zeros(u.shape, jnp.uint32), 1
+    for d in reversed(range(u.ndim)):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= u.shape[d]
+    h = u ^ (idx * jnp.uint32(0x9E3779B9))
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    h = h ^ (h >> 16)
+    return jnp.sum(h, dtype=jnp.uint32)
+
+
+def _finite(x):
+    return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+
+
+@jax.jit
+def _digest_leaves(leaves):
+    return [_leaf_digest(x) for x in leaves], jnp.all(jnp.stack([_finite(x) for x in leaves] or [jnp.bool_(True)]))
+
+
+def _host(x) -> np.ndarray:
+    """A replicated (possibly multi-process) scalar's value on this host."""
+    return np.asarray(x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x)
+
+
+def path_str(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def state_digests(state) -> tuple[dict[str, int], bool]:
+    """({leaf path: digest}, every floating leaf finite) of a (sharded) train state."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    digests, finite = _digest_leaves([leaf for _, leaf in flat])
+    return ({path_str(p): int(_host(d)) for (p, _), d in zip(flat, digests)}, bool(_host(finite)))
+
+
+def _saved_arrays(state_dir: Path) -> dict[str, tuple[tuple, str]]:
+    """{leaf path: (shape, dtype)} of a saved state item, from Orbax's metadata (no array read)."""
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        md = handler.metadata(epath.Path(state_dir))
+    finally:
+        handler.close()
+    tree = getattr(md, "tree", md)
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {path_str(p): (tuple(m.shape), str(np.dtype(m.dtype))) for p, m in flat}
+
+
+def _target_arrays(abstract) -> dict[str, tuple[tuple, str]]:
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    return {path_str(p): (tuple(a.shape), str(np.dtype(a.dtype))) for p, a in flat}
+
+
+def structure_diff(saved: dict, target: dict, limit: int = 6) -> list[str]:
+    out = []
+    for k in sorted(saved.keys() | target.keys()):
+        if k not in target:
+            out.append(f"{k}: in the checkpoint, not in this config's state")
+        elif k not in saved:
+            out.append(f"{k}: in this config's state, not in the checkpoint")
+        elif saved[k] != target[k]:
+            out.append(f"{k}: saved {saved[k][0]} {saved[k][1]}, now {target[k][0]} {target[k][1]}")
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
+
 
 # ---- the ledger item ---------------------------------------------------------------------
 
 
-def _process_prefix() -> str:
-    return f"process_{jax.process_index()}-of-{jax.process_count()}"
-
-
 class LedgerHandler(ocp.AsyncCheckpointHandler):
     """Writes each process's ledger shard as `<prefix>.bin` (every ragged array back to back)
-    and `<prefix>.json` (the header and where each array lies in the .bin).
+    and `<prefix>.json` (the header, where each array lies in the .bin with a checksum of its
+    bytes, the sha256 of the process's iterator state, and a digest of the header itself).
 
-    One file of raw bytes costs what one np.save of them costs, and a file shorter than the
-    header says is caught on restore. Asynchronous: the arrays are built from the cut and
-    written from Orbax's background commit, so a save holds the learner only for the cut."""
+    One file of raw bytes costs what one np.save of them costs. Asynchronous: the arrays are
+    built from the cut and written from Orbax's background commit, so a save holds the learner
+    only for the cut."""
 
     def _write(self, directory: epath.Path, args: "LedgerSave") -> None:
         directory = Path(directory)
@@ -53,13 +219,18 @@ class LedgerHandler(ocp.AsyncCheckpointHandler):
         with open(directory / f"{pre}.bin", "wb") as f:
             for i, (name, arr) in enumerate(snap.arrays.items()):
                 arr = np.ascontiguousarray(arr)
-                index[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset}
+                index[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
+                               "sum64": _sum64(arr.reshape(-1).view(np.uint8))}
                 arr.tofile(f)
                 offset += arr.nbytes
                 if i == 1:
                     f.flush()
                     faults.point("ckpt_write", args.step)
-        (directory / f"{pre}.json").write_text(json.dumps(dict(snap.header, arrays=index, bytes=offset)))
+                    faults.raise_enospc("ledger", args.step)
+        header = dict(snap.header, arrays=index, bytes=offset,
+                      iterator_sha256=args.iterator_sha256)
+        header["header_sha256"] = json_digest(header)
+        (directory / f"{pre}.json").write_text(json.dumps(header))
 
     async def async_save(self, directory: epath.Path, args: "LedgerSave"):
         async def write():
@@ -70,17 +241,7 @@ class LedgerHandler(ocp.AsyncCheckpointHandler):
         self._write(directory, args)
 
     def restore(self, directory: epath.Path, args: "LedgerRestore" = None) -> LedgerSnapshot:
-        directory, pre = Path(directory), _process_prefix()
-        header = json.loads((directory / f"{pre}.json").read_text())
-        index, size = header.pop("arrays"), header.pop("bytes")
-        raw = (directory / f"{pre}.bin").read_bytes()
-        if len(raw) != size:
-            raise ValueError(f"{directory / f'{pre}.bin'}: {len(raw)} bytes, the header says {size} (truncated?)")
-        arrays = {}
-        for name, a in index.items():
-            dt, shape = np.dtype(a["dtype"]), tuple(a["shape"])
-            arrays[name] = np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=a["offset"]).reshape(shape)
-        return LedgerSnapshot(header=header, arrays=arrays)
+        return read_ledger(Path(directory), _process_prefix())
 
     def metadata(self, directory: epath.Path) -> Any:
         return None
@@ -92,11 +253,52 @@ class LedgerHandler(ocp.AsyncCheckpointHandler):
         pass
 
 
+def _read_signed_json(item: str, path: Path, digest_key: str) -> dict:
+    """A JSON object that carries the digest of the rest of itself under `digest_key`."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise Damaged(item, path, f"unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict):
+        raise Damaged(item, path, "not a JSON object")
+    want = doc.pop(digest_key, None)
+    if want is not None and json_digest(doc) != want:
+        raise Damaged(item, path, "digest mismatch (the file was changed after it was written)")
+    return doc
+
+
+def read_ledger(directory: Path, prefix: str) -> LedgerSnapshot:
+    """One process's ledger shard, checked against its digests; raises Damaged."""
+    jpath, bpath = directory / f"{prefix}.json", directory / f"{prefix}.bin"
+    header = _read_signed_json("ledger", jpath, "header_sha256")
+    try:
+        index, size = header.pop("arrays"), header.pop("bytes")
+        raw = bpath.read_bytes()
+    except (KeyError, OSError) as e:
+        raise Damaged("ledger", bpath, f"unreadable ({type(e).__name__}: {e})") from None
+    if len(raw) != size:
+        raise Damaged("ledger", bpath, f"{len(raw)} bytes, the header says {size} (truncated?)")
+    arrays = {}
+    try:
+        for name, a in index.items():
+            dt, shape = np.dtype(a["dtype"]), tuple(a["shape"])
+            arrays[name] = np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=a["offset"]).reshape(shape)
+            if "sum64" in a and _sum64(arrays[name].reshape(-1).view(np.uint8)) != a["sum64"]:
+                raise Damaged("ledger", bpath, f"checksum mismatch in array {name!r} (the file was changed "
+                                               "after it was written)")
+        snap = LedgerSnapshot(header=header, arrays=arrays)
+        snap.validate()
+    except (KeyError, TypeError, ValueError) as e:
+        raise Damaged("ledger", bpath, f"invalid ({e})") from None
+    return snap
+
+
 @ocp.args.register_with_handler(LedgerHandler, for_save=True)
 @dataclasses.dataclass
 class LedgerSave(ocp.args.CheckpointArgs):
     cut: Capture  # the ledger at the cut (a LedgerSnapshot works too: it has build())
     step: int = -1
+    iterator_sha256: str | None = None  # of this process's iterator state at the same cut
 
 
 @ocp.args.register_with_handler(LedgerHandler, for_restore=True)
@@ -121,91 +323,277 @@ class IteratorState:
         pass
 
 
+# ---- choosing and restoring a step ----------------------------------------------------------
+
+
 @dataclasses.dataclass
 class Restored:
     step: int
-    state: Any
+    state: Any  # {"params", "opt"}; opt is None when run.reset_optimizer applies
     iterator_state: dict
     ledger: LedgerSnapshot
     meta: dict
+    changes: list = dataclasses.field(default_factory=list)  # free config changes since the save
+    reset_optimizer: bool = False
+    # written by another process count: every old process's (ledger shard, iterator state), in
+    # process order; `ledger` and `iterator_state` are then None until reshard deals them out
+    shards: list | None = None
+
+
+@dataclasses.dataclass
+class DamagedStep:
+    step: int
+    why: str
+
+
+@dataclasses.dataclass
+class Choice:
+    restored: Restored | None
+    damaged: list[DamagedStep]
+
+
+class _FaultyCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's commit (rename of the temporary directory), failing with ENOSPC for the steps
+    ASYNC_RL_FAULT names: the crash tests' stand-in for a full disk."""
+
+    async def finalize(self, *args, **kwargs):
+        name = Path(str(self.get_final())).name
+        if name.isdigit():  # the step directory, not one of its items
+            faults.raise_enospc("commit", int(name))
+        return await super().finalize(*args, **kwargs)
 
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool):
         self.directory = Path(directory).absolute()
-        self.async_save = async_save
-        self.mngr = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 cleanup_tmp_directories=True, create=True))
+        self.keep, self.async_save = keep, async_save
+        self.mngr: ocp.CheckpointManager | None = None  # opened by `open()`: reading needs none
         self.last_blocking_s = 0.0  # time save() held the caller, for ckpt/ metrics
+        self._inflight: int | None = None  # the step of the last save started
+
+    def open(self) -> None:
+        """Starts writing (creates the directory, clears uncommitted temporaries)."""
+        opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
+                                            cleanup_tmp_directories=True, create=True)
+        if faults.enospc_points():
+            opts = dataclasses.replace(opts, temporary_path_class=_FaultyCommit)
+        self.mngr = ocp.CheckpointManager(self.directory, options=opts)
 
     def steps(self) -> list[int]:
-        return sorted(self.mngr.all_steps())
+        """Committed steps (Orbax renames `<step>.orbax-checkpoint-tmp-*` to `<step>` last)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+    # ---- saving --------------------------------------------------------------------------
 
     def save(self, step: int, state, iterator_state: dict, ledger: Capture, meta: dict) -> None:
+        """Starts an async save; raises NonFiniteError before writing anything if the state is."""
         t0 = time.perf_counter()
-        self.mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(IteratorState(iterator_state)),
-            ledger=LedgerSave(ledger, step),
-            meta=ocp.args.JsonSave(meta)), force=True)
+        digests, finite = state_digests(state)
+        if not finite:
+            last = self.steps()[-1] if self.steps() else "none"
+            raise NonFiniteError(f"step {step}: the parameters or optimizer state hold NaN or inf: training "
+                                 f"diverged; not saved (the last committed checkpoint is step {last}). Lower "
+                                 "learner.lr or change the data, then run the same command to resume from it")
+        meta = dict(meta, digests={"state": digests})
+        meta["meta_sha256"] = json_digest(meta)
+        it_sha = sha256(IteratorState(iterator_state).get_state())
+        self.wait()  # Orbax's save waits for the previous one anyway; this names it if it failed
+        self._inflight = step
+        try:
+            self.mngr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(IteratorState(iterator_state)),
+                ledger=LedgerSave(ledger, step, it_sha),
+                meta=ocp.args.JsonSave(meta)), force=True)
+        except OSError as e:
+            raise self._write_error(step, e) from None
         self.last_blocking_s = time.perf_counter() - t0
         faults.point("ckpt_saved", step)
 
+    def _write_error(self, step: int | None, e: BaseException) -> CheckpointWriteError:
+        while isinstance(e, Exception) and e.__cause__ is not None and not isinstance(e, OSError):
+            e = e.__cause__
+        steps = self.steps()
+        return CheckpointWriteError(
+            f"checkpoint {'step ' + str(step) if step is not None else 'save'} in {self.directory} did not "
+            f"commit ({type(e).__name__}: {e}); the last committed step "
+            f"({steps[-1] if steps else 'none'}) is intact: fix the cause and run the same command to resume")
+
+    def check_for_errors(self) -> None:
+        """Raises CheckpointWriteError if a background save failed (those that fail in Orbax's
+        final commit surface at the next save or at the end, through `wait`)."""
+        if self.mngr is None:
+            return
+        try:
+            self.mngr.check_for_errors()
+        except Exception as e:
+            raise self._write_error(self._inflight, e) from None
+
     def wait(self) -> None:
-        self.mngr.wait_until_finished()
+        if self.mngr is not None:
+            try:
+                self.mngr.wait_until_finished()
+            except Exception as e:
+                raise self._write_error(self._inflight, e) from None
 
     def close(self) -> None:
-        self.mngr.wait_until_finished()
-        self.mngr.close()
-
-    def read_meta(self, step: int) -> dict:
-        return self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-
-    def restore(self, step: int, abstract_state) -> Restored:
-        r = self.mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(IteratorState()),
-            ledger=LedgerRestore(),
-            meta=ocp.args.JsonRestore()))
-        return Restored(step=step, state=r.state, iterator_state=r.data.state, ledger=r.ledger, meta=r.meta)
-
-    def restore_latest(self, abstract_state, warn) -> Restored | None:
-        """Newest step that restores whole on every process; a damaged one is moved to
-        `damaged/` (by process 0) with a warning naming it."""
-        steps = self.steps()
-        for step in reversed(steps):
+        if self.mngr is not None:
             try:
-                got, err = self.restore(step, abstract_state), None
-            except Exception as e:  # any unreadable part makes the whole step unusable
+                self.wait()
+            finally:
+                try:
+                    self.mngr.close()
+                except Exception:  # a failed save was reported by wait()
+                    pass
+                self.mngr = None
+
+    # ---- restoring -----------------------------------------------------------------------
+
+    def restore_latest(self, abstract_state, *, cfg: C.Config | None = None, warn: Callable = print) -> Choice:
+        """The newest step that restores whole and verified on every process. A damaged step
+        is skipped with a warning (the caller sets it aside once it holds the run); a step that
+        does not fit `cfg` raises CheckpointError/ConfigError (nothing is touched)."""
+        damaged: list[DamagedStep] = []
+        for step in reversed(self.steps()):
+            try:
+                got, err = self.restore(step, abstract_state, cfg=cfg), None
+            except Damaged as e:
                 got, err = None, e
             if sharding.agree([got is not None]).all():
-                return got
-            dest = self.directory.parent / "damaged" / f"step_{step}_{int(time.time())}"
-            why = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if err else "damaged on another process"
-            warn(f"checkpoint step {step} in {self.directory} is damaged ({why}); moved to {dest}; "
-                 "trying the previous step")
-            if jax.process_index() == 0:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(self.directory / str(step)), dest)
-            sharding.agree([1])  # every process sees the move before reloading
-            self.mngr.reload()
-        if steps:
-            raise CheckpointError(f"every checkpoint step in {self.directory} is damaged ({steps}); "
-                                  "refusing to start over silently")
-        return None
+                return Choice(got, damaged)
+            why = str(err) if err else "damaged on another process"
+            warn(f"checkpoint step {step} in {self.directory} is damaged ({why}); trying the previous step")
+            damaged.append(DamagedStep(step, why))
+        return Choice(None, damaged)
+
+    def restore(self, step: int, abstract_state, *, cfg: C.Config | None = None) -> Restored:
+        """Restores and verifies step `step`; raises Damaged, or ConfigError for a config that
+        does not fit it."""
+        _quiet_closed_loops()
+        d = self.directory / str(step)
+        meta = _read_signed_json("meta", d / "meta" / "metadata", "meta_sha256")
+        changes = _check_config(meta, cfg, d) if cfg is not None else []
+        reset = _check_structure(d / "state", abstract_state, cfg, changes)
+        saved_pc, pc = int(meta.get("processes", 1)), jax.process_count()
+        shards = [self._read_shard(d, _process_prefix(p, saved_pc)) for p in range(saved_pc)] \
+            if saved_pc != pc else [self._read_shard(d, _process_prefix())]
+        target = {"params": abstract_state["params"]} if reset else abstract_state
+        state = self._read_state(step, target, meta)
+        if reset:
+            state = {"params": state["params"], "opt": None}
+        for ledger, _ in shards:
+            try:
+                ledger.validate(max_version=int(meta.get("version", step)))
+            except ValueError as e:
+                raise Damaged("ledger", d / "ledger", f"invalid ({e})") from None
+        one = shards[0] if saved_pc == pc else (None, None)
+        return Restored(step=step, state=state, iterator_state=one[1], ledger=one[0], meta=meta,
+                        changes=[c for c in changes if c.kind == "free"], reset_optimizer=reset,
+                        shards=shards if saved_pc != pc else None)
+
+    def _read_shard(self, d: Path, prefix: str) -> tuple[LedgerSnapshot, dict]:
+        ledger = read_ledger(d / "ledger", prefix)
+        return ledger, self._read_iterator(d / "data", ledger.header.get("iterator_sha256"), prefix)
+
+    def _read_iterator(self, d: Path, want: str | None, prefix: str) -> dict:
+        path = d / f"{prefix}.json"
+        try:
+            raw = path.read_bytes()
+            state = json.loads(raw)
+        except (OSError, ValueError) as e:
+            raise Damaged("data", path, f"unreadable ({type(e).__name__}: {e})") from None
+        if want is not None and sha256(raw) != want:
+            raise Damaged("data", path, "sha256 mismatch with the ledger's record of it")
+        if not isinstance(state, dict):
+            raise Damaged("data", path, "not a JSON object")
+        return state
+
+    def _read_state(self, step: int, target, meta: dict):
+        d = self.directory / str(step) / "state"
+        reader = ocp.PyTreeCheckpointer()  # reads one item; a manager would want to own the directory
+        try:
+            state = reader.restore(d, args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True))
+        except (MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # orbax and tensorstore raise many types for unreadable files
+            raise Damaged("state", d, f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        finally:
+            reader.close()
+        saved = (meta.get("digests") or {}).get("state")
+        if saved:
+            got, _ = state_digests(state)
+            bad = [k for k, v in got.items() if saved.get(k) != v]
+            if bad:
+                raise Damaged("state", d, f"digest mismatch in {', '.join(bad[:3])}"
+                                          + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+        return state
 
 
-class CheckpointError(RuntimeError):
-    pass
+def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
+    """Refuses (ConfigError) a resume whose config changes the data stream or the state's
+    structure; returns every change with its kind."""
+    step = meta.get("step", where.name)
+    saved_pc, pc = meta.get("processes", 1), jax.process_count()
+    if saved_pc != pc and cfg.run.determinism:
+        raise C.ConfigError(f"run.determinism=true: the checkpoint in {where.parent} (step {step}) was written by "
+                            f"{saved_pc} process(es), this job has {pc}; another process count re-partitions the "
+                            "remaining prompts, so the run cannot stay bit-identical to an unchanged one. Resume "
+                            f"with {saved_pc} process(es), or set run.determinism=false to resize it "
+                            "(nothing was changed)")
+    saved = meta.get("config") or {}
+    changes = C.changes(saved, cfg)
+    stream = [c for c in changes if c.kind == "stream"]
+    if stream:
+        c = stream[0]
+        raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
+                            f"{c.key}={c.saved!r}; changing it would change which prompts the saved iterator and "
+                            "ledger mean. Revert it or use a new run.dir (nothing was changed)")
+    epochs = saved.get("data", {}).get("num_epochs")
+    if epochs is not None and cfg.data.num_epochs < epochs:
+        raise C.ConfigError(f"data.num_epochs={cfg.data.num_epochs}: the checkpoint in {where.parent} (step {step}) "
+                            f"was written with data.num_epochs={epochs}; lowering it would drop epochs the saved "
+                            "iterator and ledger may already hold. Revert it or use a new run.dir "
+                            "(nothing was changed)")
+    return changes
 
 
-def check_data_stream(meta: dict, current: dict, where: str) -> None:
-    """Refuses a resume whose config changes the meaning of the saved stream position."""
-    saved = meta.get("data_stream", {})
-    for key in DATA_STREAM_FIELDS:
-        if key in saved and saved[key] != current[key]:
-            raise ConfigError(f"{key}={current[key]!r}: the checkpoint in {where} was written with "
-                              f"{key}={saved[key]!r}; changing it would change which prompts the saved "
-                              "iterator and ledger mean (use a new run.dir, or run.resume=never)")
+def saved_processes(directory: Path) -> tuple[int, int] | None:
+    """(step, process count) of the newest committed step in `directory` whose meta reads, or None."""
+    d = Path(directory)
+    for step in sorted((int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
+            if d.is_dir() else []:
+        try:
+            return step, int(json.loads((d / str(step) / "meta" / "metadata").read_text()).get("processes", 1))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
+def _check_structure(state_dir: Path, abstract_state, cfg: C.Config | None, changes: list) -> bool:
+    """Refuses a state whose structure differs from this config's, unless only the optimizer's
+    differs and run.reset_optimizer=true; returns whether to reset the optimizer."""
+    try:
+        saved = _saved_arrays(state_dir)
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise Damaged("state", state_dir, f"metadata unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    target = _target_arrays(abstract_state)
+    if saved == target:
+        return False
+    params_only = {k: v for k, v in saved.items() if k.startswith("params.")}
+    params_fit = params_only == {k: v for k, v in target.items() if k.startswith("params.")}
+    fields = [c for c in changes if c.kind == "state"]
+    if params_fit and cfg is not None and cfg.run.reset_optimizer:
+        return True
+    how = ("; ".join(map(str, fields)) if fields else
+           "; ".join(structure_diff(saved, target)))
+    ways = "revert it, or use a new run.dir"
+    if params_fit:
+        ways += ", or set run.reset_optimizer=true to keep the parameters and start a fresh optimizer state"
+    raise C.ConfigError(f"the checkpoint in {state_dir.parent.parent} (step {state_dir.parent.name}) does not fit "
+                        f"this config's model/optimizer state: {how}. Ways out: {ways} (nothing was changed)")

@@ -1,4 +1,4 @@
-"""Command line: `async-rl train|audit|export|plan`. Parses, prints the resolved config, calls in.
+"""Command line: `async-rl train|audit|eval|export|plan`. Parses, prints the resolved config, calls in.
 
 Owns: argument parsing, help that lists every config group and field, and the mapping
 from error kinds to exit codes (2: usage, config, bad data or checkpoint input; 1: a
@@ -12,6 +12,7 @@ import json
 import sys
 
 from . import config as C
+from . import signals
 
 
 def _groups_help() -> str:
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL post-training for LM policies on "
                                 "JAX, with every prompt trained exactly once per epoch across restarts.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_groups_help())
-    sub = p.add_subparsers(dest="cmd", metavar="{train,audit,export,plan}")
+    sub = p.add_subparsers(dest="cmd", metavar="{train,audit,eval,export,plan}")
     t = sub.add_parser("train", help="train (or resume) a run", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=_fields_help())
     t.add_argument("--config", help="YAML preset (e.g. configs/tiny.yaml)")
@@ -43,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="check the lineage log: every prompt trained exactly once per epoch")
     a.add_argument("run_dir")
     a.add_argument("--json", action="store_true", help="machine-readable report")
+    v = sub.add_parser("eval", help="score a saved step on held-out prompts (reads the run, writes nothing)")
+    v.add_argument("run_dir")
+    v.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("overrides", nargs="*", help="group.field=value applied to the run's config (e.g. eval.*)")
     e = sub.add_parser("export", help="write a trained policy as a Hugging Face-format directory")
     e.add_argument("run_dir")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -65,7 +71,22 @@ def _err(msg: str, code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    # before anything heavy is imported: a SIGTERM during imports or start-up is kept, not fatal
+    handlers = signals.install()
+    try:
+        return _main(argv)
+    finally:
+        signals.release(handlers)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come after options too (`eval RUN --json eval.num_records=64`)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd is None:
         _parser().print_help()
         return 2
@@ -73,10 +94,23 @@ def main(argv: list[str] | None = None) -> int:
         from .audit import AuditError, audit, format_report
         try:
             rep = audit(args.run_dir)
-        except AuditError as e:
+        except (AuditError, OSError) as e:
             return _err(str(e), 2)
         print(json.dumps(rep, indent=1) if args.json else format_report(rep))
         return 0 if rep["ok"] else 1
+    if args.cmd == "eval":
+        from .data import DataError
+        from .evaluate import eval_run
+        try:
+            step, scores, what = eval_run(args.run_dir, args.step, args.overrides)
+        except (C.ConfigError, DataError, FileNotFoundError, ValueError) as e:
+            return _err(str(e), 2)
+        if args.json:
+            print(json.dumps({"step": step, **scores}))
+        else:
+            print(f"eval {args.run_dir} step {step}: {what}")
+            print("  " + "  ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scores.items()))
+        return 0
     if args.cmd == "export":
         from .export import export
         try:
@@ -95,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# resolved config\n" + C.to_yaml(cfg), flush=True)
     if args.print_config:
         return 0
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
     from .data import DataError
     from .sharding import init_distributed
     from .train import train
@@ -104,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
+    except (NonFiniteError, CheckpointWriteError) as e:
+        return _err(str(e), 1)
+    except PermissionError as e:
+        return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
     return res.exit_code
 
 

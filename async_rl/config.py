@@ -38,13 +38,14 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
 class RunConfig:
     dir: str = "runs/tiny"  # run directory: config.yaml, logs, lineage, checkpoints
     seed: int = 0  # seeds parameter init and the per-token sampling keys
-    resume: str = "auto"  # auto: resume if run.dir has a checkpoint | never | must
+    resume: str = "auto"  # auto | never | must | restart: as auto, but history without a checkpoint moves to previous/
+    reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
     determinism: bool = False  # bit-identical resume (in_order sampler only)
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
 
     def __post_init__(self):
         _check(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
-        _one_of("run.resume", self.resume, ("auto", "never", "must"))
+        _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,29 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class JournalConfig:
+    enabled: bool = True  # append finished samples to run.dir/journal; a resume uses them instead of generating
+    fsync_every_s: float = 1.0  # fdatasync the journal at most this often, seconds (a thread); 0 = every write
+
+    def __post_init__(self):
+        _check(self.fsync_every_s >= 0, "journal.fsync_every_s", self.fsync_every_s, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every_steps: int = 0  # score held-out prompts every N learner steps (and at the end); 0 = off
+    path: str = ""  # held-out prompt file, fields as data.*; "" = synthetic ids disjoint from training
+    num_records: int = 256  # held-out prompts (a file: its first N, 0 = all)
+    samples_per_prompt: int = 1  # 1 = greedy pass@1; k > 1 = k samples at engine.temperature, pass@k
+    correct_threshold: float = 1.0  # a completion is correct when its reward is at least this
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "eval.every_steps", self.every_steps, "must be >= 0")
+        _check(self.num_records >= 0, "eval.num_records", self.num_records, "must be >= 0")
+        _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     progress: bool = True  # live progress bar on stderr
     tensorboard: bool = True  # TensorBoard event files in run.dir/tb
@@ -298,6 +322,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
@@ -324,6 +350,9 @@ class Config:
         if lc.micro_batch_rows:
             _check((rows // lc.minibatches) % lc.micro_batch_rows == 0, "learner.micro_batch_rows",
                    lc.micro_batch_rows, f"must divide the rows of one update ({rows // lc.minibatches})")
+        if self.eval.every_steps and not self.eval.path:
+            _check(self.data.source == "synthetic", "eval.path", self.eval.path,
+                   f"required with eval.every_steps > 0 for data.source={self.data.source}")
         width = self.engine.max_prompt_len + self.rollout.max_new_tokens
         if self.model.learned_positions:
             _check(self.model.learned_positions >= width, "model.learned_positions", self.model.learned_positions,
@@ -331,12 +360,22 @@ class Config:
 
 
 GROUPS = tuple(f.name for f in dataclasses.fields(Config))
-# Fields whose change would make a checkpoint's iterator state and ledger mean other prompts.
+# How a resume treats a field that differs from the checkpoint's config (docs/design.md, "Run
+# directory safety"). Fields listed nowhere are free to change (learning rate, max_steps, logging...).
+# Changing one of these would make a checkpoint's iterator state and ledger mean other prompts.
 DATA_STREAM_FIELDS = (
     "data.source", "data.task", "data.path", "data.num_records", "data.seed", "data.shuffle",
     "data.min_digits", "data.max_digits", "data.prompt_field", "data.answer_field", "data.id_field",
-    "rollout.prompts_per_step", "rollout.samples_per_prompt",
+    "rollout.prompts_per_step", "rollout.samples_per_prompt", "sampler.name",
 )
+# Changing one of these changes the structure of the saved model/optimizer state.
+STATE_FIELDS = (
+    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+    "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
+    "model.param_dtype", "learner.grad_clip",
+)
+# Of these only the optimizer's structure changes: run.reset_optimizer=true is a way out.
+OPTIMIZER_FIELDS = ("learner.grad_clip",)
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 
@@ -407,6 +446,24 @@ def build(tree: dict[str, dict[str, Any]]) -> Config:
         raise ConfigError(str(e)) from None
 
 
+def _apply(tree: dict, overrides) -> None:
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"{ov!r}: overrides are written group.field=value")
+        key, raw = ov.split("=", 1)
+        _set_path(tree, key.strip(), raw)
+
+
+def with_overrides(cfg: Config, overrides) -> Config:
+    """`cfg` with `group.field=value` overrides applied (e.g. to a run's saved config)."""
+    tree: dict[str, dict[str, Any]] = {}
+    for g, sub in to_dict(cfg).items():
+        for k, v in sub.items():
+            _set_path(tree, f"{g}.{k}", v)
+    _apply(tree, overrides)
+    return build(tree)
+
+
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Loads a YAML preset (optional) and applies `group.field=value` overrides, in order."""
     tree: dict[str, dict[str, Any]] = {}
@@ -425,11 +482,7 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
                 raise ConfigError(f"{group}: expected a mapping of fields in {path}")
             for name, raw in fields_.items():
                 _set_path(tree, f"{group}.{name}", raw)
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"{ov!r}: overrides are written group.field=value")
-        key, raw = ov.split("=", 1)
-        _set_path(tree, key.strip(), raw)
+    _apply(tree, overrides)
     return build(tree)
 
 
@@ -465,6 +518,42 @@ def replace(cfg: Config, **groups: dict[str, Any]) -> Config:
 def get(cfg: Config, dotted: str) -> Any:
     group, name = dotted.split(".")
     return getattr(getattr(cfg, group), _YAML_ALIASES.get(name, name))
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str  # group.field
+    saved: Any
+    now: Any
+    kind: str  # free | state | stream
+
+    def __str__(self) -> str:
+        return f"{self.key}: saved {self.saved!r}, now {self.now!r}"
+
+
+def _state_value(key: str, value: Any) -> Any:
+    # gradient clipping adds a state-free transform, but on/off changes the optimizer tree
+    return bool(value) if key == "learner.grad_clip" else value
+
+
+def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
+    """Every field of `cfg` that differs from a checkpoint's saved config (`to_dict` form),
+    with how a resume treats it. Fields the saved config lacks (older runs) are skipped."""
+    out, now = [], to_dict(cfg)
+    for g, fields_ in now.items():
+        for name, value in fields_.items():
+            key = f"{g}.{name}"
+            if name not in saved.get(g, {}) or saved[g][name] == value:
+                continue
+            old = saved[g][name]
+            if key in DATA_STREAM_FIELDS:
+                kind = "stream"
+            elif key in STATE_FIELDS and _state_value(key, old) != _state_value(key, value):
+                kind = "state"
+            else:
+                kind = "free"
+            out.append(Change(key, old, value, kind))
+    return out
 
 
 def data_stream(cfg: Config) -> dict[str, Any]:

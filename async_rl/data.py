@@ -10,7 +10,9 @@ saving the iterator state (`checkpoint`).
 Stream layout: this process's shard of the records, shuffled with a different order
 every epoch (when `data.shuffle`), repeated `data.num_epochs` times. Stream index `i`
 is epoch `i // records_per_epoch`. Every record with the same `prompt_id` is
-identical in every epoch and in every process.
+identical in every epoch and in every process. After a resume on another process count
+(`Partition`), a process's stream starts with its share of the records the old processes
+had not drawn from the epochs they had started, then continues with its new shard.
 """
 
 from __future__ import annotations
@@ -39,29 +41,160 @@ class BadRecord(NamedTuple):
     reason: str
 
 
+@dataclass(frozen=True)
+class Partition:
+    """How the records are split over the processes, from one process count to the next.
+
+    Generation 0 (no parent): process q of `processes` owns records q::processes every epoch.
+    A resume on another process count makes a child: the records of the epochs before
+    `epoch0` that no parent process had drawn (each parent stream from its position in
+    `parent_next`) are merged in epoch order and dealt q::processes (the *remainder*); from
+    `epoch0` on, every epoch is sharded q::processes again. A pure function of its fields:
+    every process computes the same streams from it, and a checkpoint stores it as JSON.
+    """
+    processes: int
+    epoch0: int = 0  # first epoch no parent process had drawn from
+    parent: "Partition | None" = None
+    parent_next: tuple = ()  # each parent process's iterator position (records handed out) at the re-partition
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.parent is None else self.parent.generation + 1
+
+    def to_json(self) -> dict:
+        return {"processes": self.processes, "epoch0": self.epoch0, "parent_next": list(self.parent_next),
+                "parent": self.parent.to_json() if self.parent is not None else None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Partition":
+        parent = cls.from_json(d["parent"]) if d.get("parent") else None
+        return cls(int(d["processes"]), int(d.get("epoch0", 0)), parent,
+                   tuple(int(k) for k in d.get("parent_next", ())))
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Order:
+    """Which record (index into the source) and epoch sits at each position of each process's
+    stream, for a partition: Grain datasets of (index, epoch) pairs, nothing read."""
+
+    def __init__(self, n: int, shuffle_seed: int | None, num_epochs: int):
+        self.n, self.seed, self.num_epochs = n, shuffle_seed, num_epochs
+        self._remainders: dict[Partition, tuple[np.ndarray, np.ndarray]] = {}
+
+    def shard_len(self, q: int, m: int) -> int:
+        return (self.n - q + m - 1) // m
+
+    def standard(self, q: int, m: int) -> grain.MapDataset:
+        # shard before shuffling so a process keeps the same records in every epoch
+        shard = grain.MapDataset.range(self.n)[q::m]
+        if self.seed is not None:
+            shard = shard.shuffle(seed=self.seed)
+        return shard.repeat(self.num_epochs).map_with_index(_WithEpoch(self.shard_len(q, m)))
+
+    def stream(self, part: Partition, q: int) -> grain.MapDataset:
+        std = self.standard(q, part.processes)
+        if part.parent is None:
+            return std
+        rem = self.remainder(part)[0][q::part.processes]
+        parts = [grain.MapDataset.source([(int(i), int(e)) for i, e in rem])] if len(rem) else []
+        if part.epoch0 < self.num_epochs:
+            parts.append(std[part.epoch0 * self.shard_len(q, part.processes):])
+        if not parts:
+            return grain.MapDataset.source([])
+        return parts[0] if len(parts) == 1 else grain.MapDataset.concatenate(parts)
+
+    def epoch_starts(self, part: Partition, q: int, epoch: int) -> int:
+        """The position in process q's stream where records of epochs >= `epoch` begin."""
+        rem = len(self.remainder(part)[0][q::part.processes]) if part.parent is not None else 0
+        return rem + max(0, epoch - part.epoch0) * self.shard_len(q, part.processes)
+
+    def remainder(self, part: Partition) -> tuple[np.ndarray, np.ndarray]:
+        """([R, 2] (index, epoch), [R] parent process) of the records no parent process had
+        drawn from epochs before `part.epoch0`, in epoch order, interleaving the parents."""
+        if part not in self._remainders:
+            parent, rows = part.parent, []
+            for p in range(parent.processes):
+                stream = self.stream(parent, p)
+                for pos in range(part.parent_next[p], self.epoch_starts(parent, p, part.epoch0)):
+                    idx, epoch = stream[pos]
+                    rows.append((idx, epoch, p))
+            a = np.asarray(rows, np.int64).reshape(-1, 3)
+            # rank of each record among its parent's undrawn records of the same epoch
+            first = {}
+            rank = np.array([i - first.setdefault((e, p), i) for i, (_, e, p) in enumerate(a.tolist())], np.int64)
+            order = np.lexsort((a[:, 2], rank, a[:, 1])) if len(a) else np.zeros(0, np.int64)
+            self._remainders[part] = (a[order, :2], a[order, 2])
+        return self._remainders[part]
+
+    def repartition(self, parent: Partition, parent_next: list[int], processes: int) -> Partition:
+        """The child of `parent` for `processes` processes, the parent's iterators standing at
+        `parent_next`: `epoch0` is the first epoch that no parent process had started."""
+        epoch0 = parent.epoch0
+        for p, pos in enumerate(parent_next):
+            past = pos - self.epoch_starts(parent, p, parent.epoch0)
+            if past > 0:
+                n_p = self.shard_len(p, parent.processes)
+                epoch0 = max(epoch0, parent.epoch0 + -(-past // n_p))
+        return Partition(processes, epoch0, parent, tuple(int(k) for k in parent_next))
+
+
+class _WithEpoch:
+    def __init__(self, records_per_epoch: int):
+        self.n = records_per_epoch
+
+    def __call__(self, index: int, source_index) -> tuple[int, int]:
+        return int(source_index), index // self.n
+
+
 @dataclass
 class PromptDataset:
-    dataset: grain.MapDataset  # all epochs of this process's shard, in stream order
+    dataset: grain.MapDataset  # all epochs of this process's stream, in stream order
     prompt_ids: np.ndarray  # every valid id of the dataset (all processes), sorted
     shard_prompt_ids: np.ndarray  # this process's ids, in unshuffled shard order
-    records_per_epoch: int  # this process's records per epoch
+    records_per_epoch: int  # this process's records per epoch (of its shard)
     num_epochs: int
     max_prompt_len: int  # longest encoded prompt, tokens
     bad_records: list[BadRecord] = field(default_factory=list)
     source: str = ""  # "synthetic:reverse" or the file path, for messages
     process_index: int = 0
     process_count: int = 1
+    partition: Partition | None = None
+    _source: "_Source | None" = None
+    _index: grain.MapDataset | None = None  # (source index, epoch) at each position of the stream
 
     @property
     def total_records(self) -> int:
-        return self.records_per_epoch * self.num_epochs
+        return len(self.dataset)
 
     def stream_signature(self) -> dict[str, Any]:
-        """What an iterator state is only valid for: this shard of these ids."""
+        """What an iterator state is only valid for: this shard of these ids (and, after a
+        re-partition, that partition)."""
         digest = hashlib.sha256(np.ascontiguousarray(self.shard_prompt_ids, np.int64).tobytes())
-        return {"shard": [self.process_index, self.process_count],
-                "records_per_epoch": self.records_per_epoch,
-                "ids_sha256": digest.hexdigest()[:16]}
+        sig = {"shard": [self.process_index, self.process_count],
+               "records_per_epoch": self.records_per_epoch,
+               "ids_sha256": digest.hexdigest()[:16]}
+        if self.partition is not None and self.partition.generation:
+            sig["partition"] = self.partition.digest()
+        return sig
+
+    def epoch_at(self, position: int) -> int:
+        """The epoch of the record at `position` of this stream (num_epochs past its end)."""
+        return self.num_epochs if position >= len(self._index) else int(self._index[position][1])
+
+    def for_partition(self, partition: Partition, process_index: int) -> "PromptDataset":
+        """This process's stream under another partition (the records are not read again)."""
+        return _assemble(self._source, partition, process_index, self.bad_records)
+
+    def repartition(self, parent: Partition, parent_next: list[int], processes: int) -> Partition:
+        """The child of `parent` for `processes` processes (see `Partition`)."""
+        return self._source.order.repartition(parent, parent_next, processes)
+
+    def remainder(self, partition: Partition) -> tuple[np.ndarray, np.ndarray]:
+        """The records `partition` deals before its new shards: [R, 2] (index, epoch) and the
+        parent process each comes from (see `Partition`)."""
+        return self._source.order.remainder(partition)
 
 
 # --- synthetic tasks -------------------------------------------------------------------
@@ -167,6 +300,8 @@ def load_prompt_file(cfg: Config, tokenizer) -> tuple[list[dict], list[BadRecord
     ones, and the longest encoded prompt of the valid ones."""
     d = cfg.data
     path = Path(d.path).expanduser()
+    if path.is_dir():
+        raise DataError(f"data.path={d.path!r}: is a directory; expected a {d.source.upper()} file")
     if not path.is_file():
         raise DataError(f"data.path={d.path!r}: no such file")
     kind = "line" if d.source == "jsonl" else "row"
@@ -210,18 +345,20 @@ def load_prompt_file(cfg: Config, tokenizer) -> tuple[list[dict], list[BadRecord
 # --- the stream ------------------------------------------------------------------------
 
 class _Finalize:
-    """Stream index + record -> the record the pump sees (epoch set, prompt tokenised)."""
+    """(source index, epoch) -> the record the pump sees (epoch set, prompt tokenised)."""
 
-    def __init__(self, tokenizer, records_per_epoch: int, max_len: int):
-        self.tokenizer, self.n, self.max_len = tokenizer, records_per_epoch, max_len
+    def __init__(self, tokenizer, lookup, max_len: int):
+        self.tokenizer, self.lookup, self.max_len = tokenizer, lookup, max_len
 
-    def __call__(self, index: int, rec: dict) -> dict:
+    def __call__(self, item: tuple[int, int]) -> dict:
+        index, epoch = item
+        rec = self.lookup[index]
         tokens = self.tokenizer.encode_prompt(rec["prompt"])
         if len(tokens) > self.max_len:
             raise DataError(f"prompt_id {rec['prompt_id']}: prompt is {len(tokens)} tokens, longer "
                             f"than engine.max_prompt_len={self.max_len}")
         # A fresh dict: the source records are shared by every epoch.
-        return {"prompt_id": int(rec["prompt_id"]), "epoch": index // self.n, "prompt": rec["prompt"],
+        return {"prompt_id": int(rec["prompt_id"]), "epoch": int(epoch), "prompt": rec["prompt"],
                 "answer": rec["answer"], "prompt_tokens": tokens}
 
 
@@ -230,8 +367,22 @@ def _shuffle_seed(seed: int) -> int:
     return int(np.random.SeedSequence([seed % 2**64, 0x5EED]).generate_state(1)[0])
 
 
-def build_dataset(cfg: Config, tokenizer, *, process_index: int = 0, process_count: int = 1) -> PromptDataset:
-    """The prompt stream of process `process_index` of `process_count`, all epochs."""
+@dataclass
+class _Source:
+    """The loaded records of a run and the order they are streamed in, for any partition."""
+    lookup: Any  # source index -> record (prompt_id, prompt, answer)
+    ids: np.ndarray  # prompt_id of each source index
+    order: _Order
+    tokenizer: Any
+    max_len: int  # engine.max_prompt_len
+    longest: int  # longest encoded prompt
+    name: str
+
+
+def build_dataset(cfg: Config, tokenizer, *, process_index: int = 0, process_count: int = 1,
+                  partition: Partition | None = None) -> PromptDataset:
+    """The prompt stream of process `process_index` of `process_count`, all epochs (under
+    `partition`, by default the plain q::process_count sharding)."""
     d = cfg.data
     max_len = cfg.engine.max_prompt_len
     if not 0 <= process_index < process_count:
@@ -244,25 +395,31 @@ def build_dataset(cfg: Config, tokenizer, *, process_index: int = 0, process_cou
                               f"data.max_digits={d.max_digits} needs prompts of {longest} tokens; "
                               f"set engine.max_prompt_len>={longest}")
         ids = np.arange(d.num_records, dtype=np.int64)
-        base = grain.MapDataset.range(d.num_records).map(_Synthetic(d))
-        source = f"synthetic:{d.task}"
+        lookup = grain.MapDataset.range(d.num_records).map(_Synthetic(d))
+        name = f"synthetic:{d.task}"
     else:
         records, bad, longest = load_prompt_file(cfg, tokenizer)
         ids = np.asarray([r["prompt_id"] for r in records], dtype=np.int64)
-        base = grain.MapDataset.source(records)
-        source = str(d.path)
+        lookup = records
+        name = str(d.path)
     if len(ids) < process_count:
-        raise DataError(f"{source}: {len(ids)} records cannot be split over {process_count} processes")
-    # Shard before shuffling so a process keeps the same records in every epoch.
-    shard = base[process_index::process_count]
-    n = len(shard)
-    if d.shuffle:
-        shard = shard.shuffle(seed=_shuffle_seed(d.seed))
-    stream = shard.repeat(d.num_epochs).map_with_index(_Finalize(tokenizer, n, max_len))
+        raise DataError(f"{name}: {len(ids)} records cannot be split over {process_count} processes")
+    order = _Order(len(ids), _shuffle_seed(d.seed) if d.shuffle else None, d.num_epochs)
+    src = _Source(lookup, ids, order, tokenizer, max_len, longest, name)
+    part = partition or Partition(process_count)
+    if part.processes != process_count:
+        raise ValueError(f"partition for {part.processes} processes, this job has {process_count}")
+    return _assemble(src, part, process_index, bad)
+
+
+def _assemble(src: _Source, part: Partition, q: int, bad: list[BadRecord]) -> PromptDataset:
+    m = part.processes
+    index = src.order.stream(part, q)
     return PromptDataset(
-        dataset=stream, prompt_ids=np.sort(ids), shard_prompt_ids=ids[process_index::process_count],
-        records_per_epoch=n, num_epochs=d.num_epochs, max_prompt_len=longest, bad_records=bad,
-        source=source, process_index=process_index, process_count=process_count)
+        dataset=index.map(_Finalize(src.tokenizer, src.lookup, src.max_len)), prompt_ids=np.sort(src.ids),
+        shard_prompt_ids=src.ids[q::m], records_per_epoch=src.order.shard_len(q, m),
+        num_epochs=src.order.num_epochs, max_prompt_len=src.longest, bad_records=bad, source=src.name,
+        process_index=q, process_count=m, partition=part, _source=src, _index=index)
 
 
 class PromptIterator(grain.DatasetIterator):

@@ -256,11 +256,13 @@ class Engine:
 
 
 def generate_all(engine: Engine, params, prompts: list[np.ndarray], *, samples: int = 1,
-                 eos_id: int | None, ordinals: list[int] | None = None) -> list[list[Completion]]:
+                 eos_id: int | tuple[int, ...] | None, ordinals: list[int] | None = None) -> list[list[Completion]]:
     """Continuous batching: fill free slots, step, retire finished samples, refill.
 
-    Returns completions indexed [prompt][sample]. A sample ends at `eos_id` (kept as its
-    last token) or after `engine.max_new_tokens` tokens; `eos_id=None` never stops early."""
+    Returns completions indexed [prompt][sample]. A sample ends at `eos_id` (one id or a tuple
+    of stop ids; kept as its last token) or after `engine.max_new_tokens` tokens; `eos_id=None`
+    never stops early."""
+    stops = frozenset(() if eos_id is None else (eos_id,) if isinstance(eos_id, int) else eos_id)
     ordinals = list(range(len(prompts))) if ordinals is None else list(ordinals)
     waiting = [(i, s) for i in range(len(prompts)) for s in range(samples)]
     waiting.reverse()
@@ -282,7 +284,7 @@ def generate_all(engine: Engine, params, prompts: list[np.ndarray], *, samples: 
             i, s, toks, lps = running[slot]
             toks.append(int(tokens_S[slot]))
             lps.append(float(logprobs_S[slot]))
-            if toks[-1] == eos_id or len(toks) == engine.max_new_tokens:
+            if toks[-1] in stops or len(toks) == engine.max_new_tokens:
                 out[i][s] = Completion(np.asarray(toks, np.int32), np.asarray(lps, np.float32))
                 del running[slot]
                 state = engine.free(state, slot)

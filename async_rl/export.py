@@ -73,12 +73,9 @@ def _base_config(cfg: C.Config) -> dict | None:
         return None
 
 
-def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, dtype: str | None = None) -> Path:
-    """Writes checkpoint `step` (default: the latest) of `run_dir` to `out_dir`; returns it.
-
-    `dtype` casts the weights (e.g. "bfloat16" for serving); None keeps the trained dtype,
-    which loads back bit-identically."""
-    run = Path(run_dir)
+def load_run(run_dir: str | Path):
+    """(config, tokenizer, vocabulary size, committed steps, checkpoint dir) of a run, read-only."""
+    run = Path(run_dir).absolute()  # Orbax wants absolute paths
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run directory")
     cfg_path = run / "config.yaml"
@@ -91,7 +88,19 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
     ckpt_dir = run / "checkpoints"
     steps = committed_steps(ckpt_dir)
     if not steps:
-        raise FileNotFoundError(f"{ckpt_dir}: no committed checkpoint to export")
+        raise FileNotFoundError(f"{ckpt_dir}: no committed checkpoint")
+    # The run's vocabulary: config.json's for HF models, else the tokenizer's (as train sets it).
+    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic")
+    return cfg, tok, cfg.model.vocab_size or tok.vocab_size, steps, ckpt_dir
+
+
+def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, dtype: str | None = None) -> Path:
+    """Writes checkpoint `step` (default: the latest) of `run_dir` to `out_dir`; returns it.
+
+    `dtype` casts the weights (e.g. "bfloat16" for serving); None keeps the trained dtype,
+    which loads back bit-identically."""
+    cfg, tok, vocab, steps, ckpt_dir = load_run(run_dir)
+    cfg_path = Path(run_dir) / "config.yaml"
     if step is None:
         step = steps[-1]
     elif step not in steps:
@@ -103,9 +112,6 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
     if cfg.model.learned_positions:
         raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {cfg_path}: a learned "
                          "position table has no Hugging Face Llama/Qwen2 equivalent; such a run cannot be exported")
-    # The run's vocabulary: config.json's for HF models, else the tokenizer's (as train sets it).
-    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic")
-    vocab = cfg.model.vocab_size or tok.vocab_size
     params = restore_params(state_dir, cfg.model, vocab)
     extra = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     base = _base_config(cfg)

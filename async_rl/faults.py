@@ -5,8 +5,12 @@ Owns: reading `ASYNC_RL_KILL_AT` (comma-separated `point:step`, e.g.
 `ckpt_write:3,step:7`) and killing the process with SIGKILL when a matching point is
 reached. Points: `ckpt_write` (inside a checkpoint write, after some files of the step
 are written), `ckpt_saved` (save() returned, the async write may still be running),
-`step` (a step's lineage lines are written, its weights not yet published). Does not
-own: anything else; with the variables unset every call is a dictionary lookup.
+`step` (a step's weights are published and its lineage lines written), `set_aside`
+(while damaged steps are moved aside on resume; the step is the damaged one), `generate`
+(the pump thread, after its n-th engine call of this process's session, before recording
+its tokens: a kill at a moment in the generation stream; it first prints a line with the
+tokens generated so far). Does not own: anything else; with the variables unset every
+call is a dictionary lookup.
 
 `ASYNC_RL_DELAY` (comma-separated `point:seconds`, e.g. `generate:0.01,step:0.5`) sleeps
 at `generate` (after each engine generate call) and `step` (after each learner step).
@@ -14,17 +18,36 @@ at `generate` (after each engine generate call) and `step` (after each learner s
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import sys
 import time
 
 _SPEC = os.environ.get("ASYNC_RL_KILL_AT", "")
 _POINTS = {tuple(p.split(":", 1)) for p in _SPEC.split(",") if ":" in p}
 
 
-def point(name: str, step: int) -> None:
+def point(name: str, step: int, detail=None) -> None:
     if _POINTS and (name, str(step)) in _POINTS:
+        if detail is not None:
+            print(f"fault: SIGKILL at {name}:{step} {detail()}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ASYNC_RL_FAULT=enospc:<where>:<step>[,...]: an OSError(ENOSPC) raised inside the save of
+# that step, where = ledger (the ledger writer) | commit (Orbax's commit of the step).
+_ENOSPC = {tuple(p.split(":")[1:3]) for p in os.environ.get("ASYNC_RL_FAULT", "").split(",")
+           if p.startswith("enospc:") and p.count(":") == 2}
+
+
+def enospc_points() -> bool:
+    return bool(_ENOSPC)
+
+
+def raise_enospc(where: str, step: int) -> None:
+    if _ENOSPC and (where, str(step)) in _ENOSPC:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected: {where} of step {step})")
 
 
 _DELAYS = {k: float(v) for k, v in (p.split(":", 1) for p in os.environ.get("ASYNC_RL_DELAY", "").split(",")

@@ -97,6 +97,7 @@ class Ledger:
         self.changed = threading.Condition(self.lock)  # notified on every state change
         self.groups: dict[int, Group] = {}
         self.next_ordinal = 0  # ordinal the next drawn record gets
+        self.base_step = 0  # learner steps before ordinal 0 was drawn (a re-partitioned ledger starts later)
         self.exhausted = False  # the iterator raised StopIteration (I7)
         self.trained_groups = 0
         self.trained_tokens = 0
@@ -132,8 +133,9 @@ class Ledger:
 
     def counts(self) -> dict[str, int]:
         out = {s.name.lower(): 0 for s in State}
-        for g in self.groups.values():
-            out[g.state.name.lower()] += 1
+        with self.lock:  # the pump thread adds and removes groups
+            for g in self.groups.values():
+                out[g.state.name.lower()] += 1
         return out
 
     def commit(self, groups: Iterable[Group]) -> None:
@@ -175,7 +177,7 @@ class Ledger:
             ints = [(g.ordinal, g.prompt_id, g.epoch, -1 if g.target_step is None else g.target_step,
                      g.regenerations) for g in groups]
             counters = {"samples_per_prompt": self.samples_per_prompt, "next_ordinal": self.next_ordinal,
-                        "exhausted": self.exhausted, "trained_groups": self.trained_groups,
+                        "base_step": self.base_step, "exhausted": self.exhausted, "trained_groups": self.trained_groups,
                         "trained_tokens": self.trained_tokens, "regenerated_groups": self.regenerated_groups,
                         "regenerated_tokens": self.regenerated_tokens, "dropped": dict(self.dropped)}
             return Capture(groups, samples, ints, counters)
@@ -194,6 +196,7 @@ class Ledger:
         S = int(h["samples_per_prompt"])
         led = cls(S)
         led.next_ordinal = int(h["next_ordinal"])
+        led.base_step = int(h.get("base_step", 0))
         led.exhausted = bool(h["exhausted"])
         led.trained_groups = int(h["trained_groups"])
         led.trained_tokens = int(h.get("trained_tokens", 0))
@@ -271,6 +274,16 @@ def _unpack_texts(data: np.ndarray, lens: np.ndarray) -> list[str]:
     return out
 
 
+_ARRAYS = ("prompt_tokens", "prompt_lens", "tokens", "logprobs", "versions", "sample_lens", "done", "reward",
+           "group_ints", "text_bytes", "text_lens")
+
+
+def _lengths(name: str, lens: np.ndarray, count: int, data: np.ndarray, minimum: int = 0) -> None:
+    if len(lens) != count or (count and lens.min() < minimum) or int(lens.sum()) != len(data):
+        raise ValueError(f"{name}: {len(lens)} entries (expected {count}) summing to {int(lens.sum())}, "
+                         f"data has {len(data)}")
+
+
 @dataclass
 class LedgerSnapshot:
     header: dict
@@ -290,6 +303,44 @@ class LedgerSnapshot:
 
     def to_json(self) -> str:
         return json.dumps(self.header)
+
+    def validate(self, max_version: int | None = None) -> None:
+        """Raises ValueError unless header and arrays describe a consistent ledger (lengths
+        that add up, ordinals unique and drawn, versions no newer than the saved weights)."""
+        h, a = self.header, self.arrays
+        for k in ("samples_per_prompt", "next_ordinal", "exhausted", "trained_groups", "dropped"):
+            if k not in h:
+                raise ValueError(f"header lacks {k!r}")
+        missing = sorted(set(_ARRAYS) - a.keys())
+        if missing:
+            raise ValueError(f"arrays missing: {', '.join(missing)}")
+        S, nxt = int(h["samples_per_prompt"]), int(h["next_ordinal"])
+        gi = a["group_ints"]
+        if S < 1 or nxt < 0 or gi.ndim != 2 or gi.shape[1] != 5 or int(h.get("base_step", 0)) < 0:
+            raise ValueError(f"samples_per_prompt={S}, next_ordinal={nxt}, base_step={h.get('base_step', 0)}, "
+                             f"group_ints {gi.shape}")
+        G = len(gi)
+        _lengths("prompt_lens", a["prompt_lens"], G, a["prompt_tokens"], minimum=1)
+        _lengths("sample_lens", a["sample_lens"], G * S, a["tokens"])
+        _lengths("text_lens", a["text_lens"], 2 * G, a["text_bytes"])
+        n = len(a["tokens"])
+        if len(a["logprobs"]) != n or len(a["versions"]) != n:
+            raise ValueError(f"tokens {n}, logprobs {len(a['logprobs'])}, versions {len(a['versions'])}")
+        if len(a["done"]) != G * S or len(a["reward"]) != G * S:
+            raise ValueError(f"done/reward lengths {len(a['done'])}/{len(a['reward'])}, expected {G * S}")
+        ordinal, pid, epoch, target, regen = gi.T if G else (np.zeros(0, np.int64),) * 5
+        if len(np.unique(ordinal)) != G or (G and (ordinal.min() < 0 or ordinal.max() >= nxt)):
+            raise ValueError(f"group ordinals not unique or outside [0, next_ordinal={nxt})")
+        if G and (pid.min() < 0 or epoch.min() < 0 or target.min() < -1 or regen.min() < 0):
+            raise ValueError("negative prompt_id, epoch, target step or regeneration count")
+        v = a["versions"]
+        if n and (v.min() < 0 or (max_version is not None and v.max() > max_version)):
+            raise ValueError(f"token versions in [{v.min()}, {v.max()}], outside [0, {max_version}]")
+        if n and (a["tokens"].min() < 0 or not np.all(np.isfinite(a["logprobs"]))):
+            raise ValueError("negative token ids or non-finite logprobs")
+        r = a["reward"]
+        if np.any(np.isinf(r)) or np.any(~a["done"] & ~np.isnan(r)):
+            raise ValueError("infinite rewards, or a reward on an unfinished sample")
 
     def build(self) -> "LedgerSnapshot":
         return self

@@ -1,28 +1,76 @@
 """The run's history logs, which follow the checkpoint: lineage, drops and rollouts.
 
-Owns: `lineage.jsonl` (one line per consumed group: trained, or consumed untrained by
-explicit config with `"filtered": true`), `drops.jsonl` (every rollout or group not
-trained, with its reason: I4), the optional `rollouts.jsonl` (every trained sample's
-tokens), their byte sizes recorded in each checkpoint's meta, and cutting them back to
-those sizes on resume (I5: lines a killed process wrote after its last checkpoint
-describe groups that come back from the ledger). Does not own: deciding what is trained
-or dropped (sampler, train) or reading the logs back (audit).
+Owns: `JsonlLog` (an append-only JSON-lines file, flushed per append, cut back on resume to
+the byte size a checkpoint recorded), `lineage.jsonl` (one line per consumed group:
+trained, or consumed untrained by explicit config with `"filtered": true`), `drops.jsonl`
+(every rollout or group not trained, with its reason: I4), the optional `rollouts.jsonl`
+(every trained sample's tokens), their byte sizes recorded in each checkpoint's ledger
+header, and cutting them back to those sizes on resume (I5: lines a killed process wrote
+after its last checkpoint describe groups that come back from the ledger). After a resume
+on another process count each line carries the generation (`gen`): ordinals start again.
+Does not own: deciding what is trained or dropped (sampler, train) or reading the logs back
+(audit).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from .ledger import Group
-from .metrics import JsonlLog
 
 LOGS = ("lineage", "drops", "rollouts")
 
 
+class JsonlLog:
+    """An append-only JSON-lines file whose valid length is recorded in checkpoints."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")
+
+    def truncate(self, nbytes: int) -> int:
+        """Cuts the file back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
+        self._f.flush()
+        size = self.path.stat().st_size
+        if size > nbytes:
+            os.truncate(self.path, nbytes)
+        self._f.seek(0, os.SEEK_END)
+        return max(0, size - nbytes)
+
+    def append(self, rows: list[dict]) -> None:
+        if rows:
+            self._f.write(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
+            self._f.flush()  # survives SIGKILL of this process (the OS holds the page)
+
+    def tell(self) -> int:
+        self._f.flush()
+        return self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
 class RunLogs:
-    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer, suffix: str = ""):
-        """`suffix` (".p1", ...) names the logs of process i > 0 of a multi-host job."""
+    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer, suffix: str = "", generation: int = 0):
+        """`suffix` (".p1", ...) names the logs of process i > 0 of a multi-host job; `generation`
+        (how many times the run was re-partitioned onto another process count) tags each line
+        after the first, since ordinals count from 0 again in each generation."""
         self.tok = tokenizer
+        self.gen = generation
         self.lineage = JsonlLog(run_dir / f"lineage{suffix}.jsonl")
         self.drops = JsonlLog(run_dir / f"drops{suffix}.jsonl")
         self.rollouts = JsonlLog(run_dir / f"rollouts{suffix}.jsonl") if rollouts else None
@@ -47,30 +95,31 @@ class RunLogs:
             cut += got if n == "lineage" else 0
         return cut
 
+    def _row(self, step: int, g: Group) -> dict:
+        row = {"step": step, "prompt_id": g.prompt_id, "epoch": g.epoch, "ordinal": g.ordinal,
+               "versions": sorted({v for s in g.samples for v in s.versions})}
+        return {**row, "gen": self.gen} if self.gen else row
+
     def trained(self, step: int, groups: list[Group]) -> None:
-        self.lineage.append([_row(step, g) for g in groups])
+        self.lineage.append([self._row(step, g) for g in groups])
         if self.rollouts is not None:
-            self.rollouts.append([{**_row(step, g), "prompt": g.prompt, "answer": g.answer,
+            self.rollouts.append([{**self._row(step, g), "prompt": g.prompt, "answer": g.answer,
                                    "samples": [{"tokens": s.tokens, "versions": s.versions, "reward": s.reward,
                                                 "text": self.tok.decode(s.tokens)} for s in g.samples]}
                                   for g in groups])
 
     def filtered(self, step: int, groups: list[Group]) -> None:
         """Groups consumed without training (rollout.filter_zero_variance): the audit counts them once."""
-        self.lineage.append([{**_row(step, g), "filtered": True} for g in groups])
-        self.drops.append([{**_row(step, g), "reason": "zero_variance", "what": "group",
+        self.lineage.append([{**self._row(step, g), "filtered": True} for g in groups])
+        self.drops.append([{**self._row(step, g), "reason": "zero_variance", "what": "group",
                             "rewards": [s.reward for s in g.samples]} for g in groups])
 
     def regenerated(self, step: int, g: Group) -> None:
         """A READY group too stale to train: its rollouts are discarded, the prompt is generated again."""
-        self.drops.append([{**_row(step, g), "reason": "stale", "what": "rollouts",
+        self.drops.append([{**self._row(step, g), "reason": "stale", "what": "rollouts",
                             "tokens": sum(len(s.tokens) for s in g.samples)}])
 
     def close(self) -> None:
         for _, log in self._logs():
             log.close()
 
-
-def _row(step: int, g: Group) -> dict:
-    return {"step": step, "prompt_id": g.prompt_id, "epoch": g.epoch, "ordinal": g.ordinal,
-            "versions": sorted({v for s in g.samples for v in s.versions})}

@@ -1,9 +1,10 @@
-"""Run outputs: append-only JSONL logs that follow the checkpoint, TensorBoard, progress, plot.
+"""Run outputs for people: per-step metrics, TensorBoard, progress, the reward curve.
 
-Owns: `JsonlLog` (lineage.jsonl, metrics.jsonl, drops.jsonl: appended and flushed per
-line, truncated back to a checkpoint's recorded byte size on resume), the per-step
-metrics sink (metrics.jsonl + TensorBoard + the rich progress bar + console lines), and
-the reward curve PNG. Does not own: computing metrics (learner, pump, train).
+Owns: the per-step metrics sink (metrics.jsonl + TensorBoard + the rich progress bar +
+console lines), the device-side step clock behind `perf/learner_idle_frac`, and the reward
+curve PNG. Does not own: computing metrics (learner, pump, train) or the logs that prove
+exactly-once (`lineage`, whose `JsonlLog` metrics.jsonl also uses so it follows the
+checkpoint the same way).
 """
 
 from __future__ import annotations
@@ -18,35 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-class JsonlLog:
-    """An append-only JSON-lines file whose valid length is recorded in checkpoints."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
-
-    def truncate(self, nbytes: int) -> int:
-        """Cuts the file back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
-        self._f.flush()
-        size = self.path.stat().st_size
-        if size > nbytes:
-            os.truncate(self.path, nbytes)
-        self._f.seek(0, os.SEEK_END)
-        return max(0, size - nbytes)
-
-    def append(self, rows: list[dict]) -> None:
-        if rows:
-            self._f.write(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
-            self._f.flush()  # survives SIGKILL of this process (the OS holds the page)
-
-    def tell(self) -> int:
-        self._f.flush()
-        return self._f.tell()
-
-    def close(self) -> None:
-        self._f.close()
+from .lineage import JsonlLog, read_jsonl
 
 
 class StepClock:
@@ -87,17 +60,6 @@ class StepClock:
         self._thread.join(timeout=60)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
-        if line.strip():
-            out.append(json.loads(line))
-    return out
-
-
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -107,7 +69,7 @@ def _fmt(v: Any) -> str:
 class MetricsSink:
     """metrics.jsonl every step; TensorBoard and the console every `every` steps."""
 
-    CONSOLE = ("rollout/reward_mean", "learner/loss", "learner/entropy", "perf/tokens_per_s",
+    CONSOLE = ("rollout/reward_mean", "eval/accuracy", "learner/loss", "learner/entropy", "perf/tokens_per_s",
                "perf/learner_idle_frac", "rollout/staleness_mean")
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
@@ -154,8 +116,11 @@ class MetricsSink:
 
 
 def plot_rewards(metrics_path: Path, out: Path) -> bool:
-    """reward.png: mean reward per step (with a moving average) from metrics.jsonl."""
-    rows = [r for r in read_jsonl(metrics_path) if r.get("rollout/reward_mean") is not None]
+    """reward.png: mean reward per step (with a moving average) from metrics.jsonl, and the
+    held-out accuracy where the run evaluated."""
+    all_rows = read_jsonl(metrics_path)
+    rows = [r for r in all_rows if r.get("rollout/reward_mean") is not None]
+    evals = [r for r in all_rows if r.get("eval/accuracy") is not None]
     if not rows:
         return False
     import matplotlib
@@ -168,8 +133,11 @@ def plot_rewards(metrics_path: Path, out: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, rew, alpha=0.35, label="mean reward")
     ax.plot(steps, smooth, label=f"moving average ({k})")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", markersize=3,
+                label="held-out accuracy")
     ax.set_xlabel("learner step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("reward / accuracy" if evals else "reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -30,12 +30,15 @@ class PumpStats:
     tokens: int = 0  # tokens generated (kept in the ledger)
     prefills: int = 0
     swaps: int = 0
+    calls: int = 0  # engine generate calls
 
 
 class Pump:
     def __init__(self, *, ledger: Ledger, sampler, engine, iterator, tokenizer, reward_fn,
-                 max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print):
+                 max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
+                 journal=None):
         self.ledger, self.sampler, self.engine = ledger, sampler, engine
+        self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
         self.N, self.partial, self.deterministic = max_new_tokens, partial, deterministic
         self.log = log
@@ -124,8 +127,12 @@ class Pump:
             while not self._stop.is_set():
                 with self.ledger.changed:
                     self._maybe_swap()
+                    if self.journal is not None and self.journal.waits:
+                        self.journal.apply(self.latest)
                     picks = self._pick()
                     if not picks and not any(self.slots):
+                        if self.journal is not None and self.journal.waits:
+                            self.journal.idle(self.latest, self.sampler.pps)
                         t0 = time.perf_counter()
                         self.ledger.changed.wait(0.05)
                         self.stats.idle_s += time.perf_counter() - t0
@@ -136,6 +143,8 @@ class Pump:
                 self.decode_state, toks, lps = self.engine.generate_steps(params, self.decode_state)
                 faults.delay("generate")
                 self.stats.busy_s += time.perf_counter() - t0
+                self.stats.calls += 1
+                faults.point("generate", self.stats.calls, self._progress)
                 self._record(np.asarray(toks), np.asarray(lps))
         except BaseException as e:  # surfaced to the learner, which stops the run
             self.error = e
@@ -217,11 +226,13 @@ class Pump:
             return []  # drain the slots first, then swap (publication waits for them)
         picks: list[tuple[int, Group, int]] = []
 
+        waits = self.journal.waits if self.journal is not None else {}
+
         def take(g: Group) -> None:
             for si, s in enumerate(g.samples):
                 if len(picks) == len(free):
                     return
-                if not s.in_engine and not s.done:
+                if not s.in_engine and not s.done and not (waits and self.journal.waiting(g.ordinal, si)):
                     s.in_engine = True
                     picks.append((free[len(picks)], g, si))
 
@@ -251,7 +262,10 @@ class Pump:
         except StopIteration:
             self.ledger.mark_exhausted()
             return None
-        return self.ledger.add(rec, self.sampler.stamp(self.ledger.next_ordinal))
+        g = self.ledger.add(rec, self.sampler.stamp(self.ledger.next_ordinal))
+        if self.journal is not None:  # a killed run may have generated this group already
+            self.journal.claim(g, self.latest)
+        return g
 
     def _insert(self, picks, params) -> None:
         for slot, g, si in picks:
@@ -308,12 +322,24 @@ class Pump:
             if not np.isfinite(r):
                 raise RewardError(f"reward function returned {r} for prompt_id={g.prompt_id}")
             scores.append(r)
+        journal, t0 = self.journal, time.perf_counter()
+        records = [journal.encode(g, s, r) for (g, s), r in zip(finished, scores)] if journal is not None else ()
+        t_encode = time.perf_counter() - t0
         with self.ledger.changed:
             for (g, s), r in zip(finished, scores):
                 s.reward = r
                 if g.state == State.READY:
                     self.sampler.on_ready(g, self.version)
+            if records:
+                t0 = time.perf_counter()
+                journal.append(records)  # with the rewards: a checkpoint cut sees both or neither
+                journal.write_s += t_encode + time.perf_counter() - t0
             self.ledger.changed.notify_all()
+
+    def _progress(self) -> str:
+        """For a fault point's message: tokens generated so far, and those in unfinished samples."""
+        live = sum(len(g.samples[si].tokens) for g, si in filter(None, self.slots))
+        return f"generated_tokens={self.stats.tokens} in_flight_tokens={live}"
 
     def _reward_backlog(self) -> None:
         """Samples a killed run finished but did not reward yet (restored done, reward missing)."""

@@ -66,6 +66,11 @@ class _Sampler:
     def on_ready(self, group: Group, version: int) -> None:
         """A group just became READY (pump thread, under the lock)."""
 
+    def fits(self, group: Group, lo: int, hi: int, latest: int) -> bool:
+        """May a finished sample whose tokens were made by versions [lo, hi] (a killed run's,
+        from the rollout journal) join `group` now that `latest` is published?"""
+        return True
+
     # ---- what the learner asks -----------------------------------------------------------
 
     def _try(self, step: int) -> list[Group] | None | bool:
@@ -100,7 +105,8 @@ class _Sampler:
 
 
 class InOrderSampler(_Sampler):
-    """Step t trains exactly the groups with stamp t = ordinal // prompts_per_step + 1.
+    """Step t trains exactly the groups with stamp t = base + ordinal // prompts_per_step + 1
+    (base: the ledger's `base_step`, 0 unless it was re-partitioned onto another process count).
 
     Generation may run `max_lookahead` steps ahead: a group stamped t may be generated
     once version t-1-L is published. In deterministic mode it is generated with exactly
@@ -111,7 +117,7 @@ class InOrderSampler(_Sampler):
     name = "in_order"
 
     def stamp(self, ordinal: int) -> int:
-        return ordinal // self.pps + 1
+        return self.ledger.base_step + ordinal // self.pps + 1
 
     def required_version_for_stamp(self, step: int) -> int:
         return max(0, step - 1 - self.lookahead)
@@ -123,13 +129,17 @@ class InOrderSampler(_Sampler):
     def eligible(self, group: Group, version: int, latest: int) -> bool:
         return group.target_step <= version + 1 + self.lookahead
 
+    def fits(self, group: Group, lo: int, hi: int, latest: int) -> bool:
+        t = group.target_step  # the lookahead bound: every version in [t - 1 - L, t - 1]
+        return t - 1 - self.lookahead <= lo and hi <= t - 1
+
     def may_draw(self, version: int, latest: int) -> bool:
         return (super().may_draw(version, latest)
                 and self.stamp(self.ledger.next_ordinal) <= version + 1 + self.lookahead)
 
     def _try(self, step: int):
         led = self.ledger
-        lo, hi = (step - 1) * self.pps, step * self.pps
+        lo, hi = (step - 1 - led.base_step) * self.pps, (step - led.base_step) * self.pps
         if led.exhausted and led.next_ordinal <= lo:
             return None
         if led.next_ordinal < hi and not led.exhausted:
@@ -144,7 +154,7 @@ class InOrderSampler(_Sampler):
 
     def finished(self, step: int) -> bool:
         with self.ledger.lock:  # no record was drawn for step + 1 and none will be
-            return self.ledger.exhausted and self.ledger.next_ordinal <= step * self.pps
+            return self.ledger.exhausted and self.ledger.next_ordinal <= (step - self.ledger.base_step) * self.pps
 
 
 class _StalenessSampler(_Sampler):
@@ -164,6 +174,9 @@ class _StalenessSampler(_Sampler):
 
     def may_draw(self, version: int, latest: int) -> bool:
         return super().may_draw(version, latest) and self.eligible(None, version, latest)
+
+    def fits(self, group: Group, lo: int, hi: int, latest: int) -> bool:
+        return latest - lo <= self.max_staleness  # trained at step latest + 1 at the earliest
 
     def _try(self, step: int):
         led = self.ledger

@@ -1,34 +1,44 @@
-"""`train(cfg)`: wires data, ledger, pump, learner and checkpoints into one run.
+"""`train(cfg)`: one run, as a few named phases.
 
-Owns: the run directory's layout, the resume decision, the step loop (take a step's
-groups, dispatch the step, publish weights, commit the groups to the lineage log, fetch
-the previous step's metrics), the consistent cut for each checkpoint, signal handling
-(SIGTERM: save at the next step boundary and exit 0; a second signal exits at once), the
-per-step agreement between processes of a multi-host job (stop, end of data, empty
-steps), and the end-of-run report. Does not own: any of the parts it wires.
+1. check the run directory (usable, not held by another process) — nothing written;
+2. build the parts (tokenizer, data, rewards, learner, engine, checkpointer);
+3. choose where to start: the newest verified checkpoint step (refusing a config that does
+   not fit it), or a fresh start (refused where run.dir has history it would bury) — still
+   nothing written, so a refusal or an early signal leaves run.dir byte-identical;
+4. take the run: lock, set damaged steps aside, write the manifests, cut the logs back;
+5. the step loop (`Session`): take a step's groups, dispatch the step, publish weights,
+   commit the groups to the lineage log, fetch the previous step's metrics, save;
+6. report.
+
+Owns: that order, the consistent cut for each checkpoint, the per-step agreement between
+processes of a multi-host job (stop, end of data, empty steps), stopping on signals and
+on non-finite values (never saved over good steps), and the end-of-run report. Does not
+own: any of the parts it wires. See docs/design.md.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
+import shutil
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from . import config as C
 from . import data as data_mod
-from . import faults, hf, rewards, sharding
-from .checkpoint import Checkpointer, check_data_stream
+from . import faults, hf, reshard, rewards, rundir, sharding
+from . import journal as journal_mod
+from . import signals as sig
+from .checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
 from .config import Config, ConfigError
 from .engine import Engine
+from .evaluate import make_evaluator
 from .ledger import Ledger
 from .learner import Learner, Row, build_batch, params_fingerprint
 from .lineage import RunLogs
@@ -49,36 +59,37 @@ class RunResult:
     history: list = field(default_factory=list)
 
 
-class _Signals:
-    """First SIGTERM/SIGINT: stop at the next step boundary after a save. Second: exit now."""
+@dataclass
+class Parts:
+    """Everything a run is built from; building them writes nothing in run.dir."""
+    cfg: Config
+    run_dir: Path
+    tok: Any
+    pd: data_mod.PromptDataset
+    iterator: data_mod.PromptIterator
+    reward_fn: Callable
+    learner: Learner
+    engine: Engine
+    ckpt: Checkpointer
+    local_pps: int  # this process's groups per step
+    generations: list = field(default_factory=list)  # re-partitions onto other process counts (reshard)
 
-    def __init__(self, log):
-        self.received: str | None = None
-        self.log = log
-        self._old = {}
 
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            self.log(f"{name} again: exiting now; the last committed checkpoint is intact")
-            os._exit(128 + signum)
-        self.received = name
-        self.log(f"{name}: saving at the next step boundary, then exiting")
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+@dataclass
+class Start:
+    """Where the run begins: a restored step, or step 0."""
+    step: int
+    ledger: Ledger
+    state: Any
+    restored: Restored | None = None
+    damaged: list[DamagedStep] = field(default_factory=list)
+    restart: bool = False  # move the old history to previous/ first (run.resume=restart)
 
 
 def setup_compilation_cache(path: str) -> None:
     if not path:
         return
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_compilation_cache_dir", str(Path(path).expanduser()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -86,20 +97,53 @@ def setup_compilation_cache(path: str) -> None:
 def train(cfg: Config, log=None) -> RunResult:
     """Runs (or resumes) the job described by `cfg`; returns when it ends or is stopped."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if jax.process_count() > 1:
+        log = _prefixed(log, f"[process {jax.process_index()}/{jax.process_count()}] ")
+    signals = sig.install(log)
+    try:
+        return _train(cfg, log, signals)
+    finally:
+        sig.release(signals)
+
+
+def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     cfg = hf.resolve(cfg)  # model.hf_path: architecture fields and tokenizer from the HF directory
-    pi, pc = jax.process_index(), jax.process_count()
-    primary = pi == 0
-    if pc > 1:
-        log = _prefixed(log, f"[process {pi}/{pc}] ")
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.check_usable(run_dir)
+    lock = rundir.RunLock(run_dir, jax.process_index())
+    lock.ensure_free(run_dir)
+    parts = build(cfg, run_dir, log)
+    start = choose_start(parts, log)
+    if sharding.agree([signals.received is not None]).any():  # every process stops together
+        log(f"{signals.received or 'a signal'} during start-up: stopped before changing anything in {run_dir}")
+        return RunResult(step=start.step, exit_code=0, reason="signal", fingerprint="")
+    lock.acquire(run_dir)
+    try:
+        take(parts, start, log)
+        session = Session(parts, start, log, signals)
+        try:
+            session.run()
+        except BaseException:
+            session.close(failing=True)
+            raise
+        session.close()
+        return report(parts, session, log)
+    finally:
+        lock.release()
+
+
+# ---- 2. build ---------------------------------------------------------------------------
+
+
+def build(cfg: Config, run_dir: Path, log) -> Parts:
+    pi, pc = jax.process_index(), jax.process_count()
     setup_compilation_cache(cfg.run.compilation_cache)
     devices = sharding.make_devices(cfg.mesh)
     pps, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     if pps % pc:
         raise ConfigError(f"rollout.prompts_per_step={pps}: must divide over the {pc} processes (each "
-                          "process generates its share of every step from its own shard of the data)")
-    local_pps = pps // pc
+                          "process generates its share of every step from its own shard of the data)"
+                          + reshard.count_note(run_dir))
     shards = sharding.batch_shards(devices.learner)
     if (pps * G) % shards:
         raise ConfigError(f"rollout.prompts_per_step={pps}: prompts_per_step x samples_per_prompt "
@@ -114,200 +158,401 @@ def train(cfg: Config, log=None) -> RunResult:
     vocab = cfg.model.vocab_size or tok.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
-
     learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared)
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
                     seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call)
-
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
+    return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
+                 reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc)
+
+
+# ---- 3. choose where to start (reads only) ----------------------------------------------
+
+
+def choose_start(parts: Parts, log) -> Start:
+    cfg, run_dir, ckpt = parts.cfg, parts.run_dir, parts.ckpt
     steps = ckpt.steps()
-    if cfg.run.resume == "never" and steps:
-        raise ConfigError(f"run.resume=never: {run_dir} already holds checkpoints {steps}; "
-                          "use a new run.dir (nothing was changed)")
-    if cfg.run.resume == "must" and not steps:
-        raise ConfigError(f"run.resume=must: no checkpoint in {run_dir / 'checkpoints'}")
-    restored = ckpt.restore_latest(learner.abstract_state(), warn=lambda m: log(f"warning: {m}")) \
-        if steps and cfg.run.resume != "never" else None
-    if restored is not None:
-        check_data_stream(restored.meta, C.data_stream(cfg), str(run_dir))
+    if cfg.run.resume == "never" and (steps or rundir.history(run_dir)):
+        raise ConfigError(f"run.resume=never: {run_dir} already holds a run "
+                          f"({rundir.describe(rundir.history(run_dir))}); use a new run.dir (nothing was changed)")
+    damaged: list[DamagedStep] = []
+    if steps:
+        choice = ckpt.restore_latest(parts.learner.abstract_state(), cfg=cfg, warn=lambda m: log(f"warning: {m}"))
+        damaged = choice.damaged
+        if choice.restored is not None:
+            return _resumed(parts, choice.restored, damaged, log)
+    if cfg.run.resume == "must":
+        raise ConfigError(f"run.resume=must: no restorable checkpoint in {run_dir / 'checkpoints'} "
+                          "(nothing was changed)")
+    hist = rundir.history(run_dir)
+    fresh = Start(step=0, ledger=Ledger(cfg.rollout.samples_per_prompt), state=None, damaged=damaged)
+    if rundir.durable(run_dir) and cfg.run.resume != "restart":
+        bad = f"; damaged steps: {', '.join(str(d.step) for d in damaged)}" if damaged else ""
+        raise CheckpointError(
+            f"{run_dir} holds a run's history ({rundir.describe(hist)}) but no checkpoint step to resume "
+            f"from{bad}; refusing to start over and bury it. Resume it with its original config, use a new "
+            "run.dir, or pass run.resume=restart to move that history to run.dir/previous/ and start over "
+            "(nothing was changed)")
+    fresh.restart = bool(hist) and cfg.run.resume == "restart"
+    return fresh
 
-    final_path = run_dir / "final.json"
+
+def _resumed(parts: Parts, restored: Restored, damaged: list[DamagedStep], log) -> Start:
+    reshard.restore_data(parts, restored, log)  # another process count: re-partitioned; sets the iterator
+    ledger = Ledger.from_snapshot(restored.ledger)
+    if ledger.exhausted and not parts.iterator.exhausted:
+        ledger.exhausted = False  # more epochs than before: the stream continues
+        log(f"data.num_epochs={parts.cfg.data.num_epochs}: the data stream continues past the end it had reached")
+    if restored.changes:
+        log(f"resume: changed since step {restored.step}: " + "; ".join(map(str, restored.changes)))
+    state = restored.state
+    if restored.reset_optimizer:
+        log(f"run.reset_optimizer=true: resuming step {restored.step} with its parameters and a fresh optimizer "
+            "state (moments and the schedule's step count start from zero)")
+        state = parts.learner.init_state(state["params"])
+    return Start(step=restored.step, ledger=ledger, state=state, restored=restored, damaged=damaged)
+
+
+# ---- 4. take the run (writes) -------------------------------------------------------------
+
+
+def take(parts: Parts, start: Start, log) -> None:
+    cfg, run_dir, primary = parts.cfg, parts.run_dir, jax.process_index() == 0
+    if start.restart and primary:
+        dest = rundir.archive_history(run_dir)
+        log(f"run.resume=restart: moved the previous history of {run_dir} to {dest}; starting over")
+    for d in start.damaged if not start.restart else []:
+        dest = run_dir / "damaged" / f"step_{d.step}_{int(time.time())}"
+        if primary:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            faults.point("set_aside", d.step)
+            shutil.move(str(parts.ckpt.directory / str(d.step)), dest)
+        log(f"warning: checkpoint step {d.step} set aside in {dest} ({d.why})")
+    sharding.agree([1])  # every process sees the moves before opening the manager
+    parts.ckpt.open()
     if primary:
-        (run_dir / "config.yaml").write_text(C.to_yaml(cfg))
-        (run_dir / "data.json").write_text(json.dumps({
-            "prompt_ids": [int(i) for i in pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
-            "records_per_epoch": int(pd.records_per_epoch), "bad_records": len(pd.bad_records)}))
-        final_path.unlink(missing_ok=True)
-        _announce_drops(cfg, pd, log)
-    logs = RunLogs(run_dir, rollouts=cfg.log.rollouts, tokenizer=tok, suffix=f".p{pi}" if pi else "")
-    iterator = data_mod.make_iterator(pd)
-    saved_logs = restored.ledger.header.get("logs") if restored else None
-    cut = logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
-    if restored is not None:
-        iterator.set_state(restored.iterator_state)
-        ledger = Ledger.from_snapshot(restored.ledger)
-        state, step = restored.state, restored.step
-        log(_resume_line(restored, ledger, cut))
-    else:
-        ledger = Ledger(G)
-        state, step = learner.init_state(learner.init_params()), 0
-    ref_params = learner.init_params() if learner.use_ref else None
+        cut = reshard.cut_inactive_logs(run_dir, parts.generations, jax.process_count())
+        if cut:
+            log(f"cut {cut} bytes of the logs of processes this run no longer has (written after its checkpoint)")
+        rundir.write_if_changed(run_dir / "config.yaml", C.to_yaml(cfg))
+        rundir.write_if_changed(run_dir / "data.json", json.dumps({
+            "prompt_ids": [int(i) for i in parts.pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
+            "records_per_epoch": int(parts.pd.records_per_epoch), "bad_records": len(parts.pd.bad_records)}))
+        _announce_drops(cfg, parts.pd, log)
+    if start.state is None:
+        start.state = parts.learner.init_state(parts.learner.init_params())
 
-    sink = MetricsSink(run_dir, tensorboard=cfg.log.tensorboard and primary,
-                       progress=cfg.log.progress and primary and sys.stderr.isatty(), every=cfg.log.every_steps,
-                       total_steps=_total_steps(cfg, pd), start_step=step, console=log,
-                       name="metrics.jsonl" if primary else f"metrics.p{pi}.jsonl")
-    sink.jsonl.truncate(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
 
-    def on_filtered(groups, s):  # sampler, main thread, under the ledger lock
-        ledger.drop(groups, "zero_variance")
-        logs.filtered(s, groups)
+# ---- 5. the step loop ---------------------------------------------------------------------
 
-    sampler = make_sampler(cfg, ledger, Hooks(on_filtered=on_filtered, on_regenerated=lambda g, s: logs.regenerated(s, g)),
-                           groups_per_step=local_pps)
-    params_e = engine.load_params(learner.publishable(state["params"]))
-    engine.update_params(params_e, step)
-    pump = Pump(ledger=ledger, sampler=sampler, engine=engine, iterator=iterator, tokenizer=tok,
-                reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens, params=params_e, version=step,
-                partial=cfg.rollout.partial, deterministic=cfg.run.determinism, log=log)
-    signals = _Signals(log)
-    signals.install()
-    # The pump thread is mostly Python between engine calls; a shorter GIL switch interval
-    # keeps it from starving Orbax's commit thread (measured: commit 5.4 s -> 2.1 s).
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(0.001)
-    history: list[dict] = []
-    t_start = time.perf_counter()
-    wait_s, tokens0, t_prev, last_saved = 0.0, 0, t_start, (restored.step if restored else -1)
-    wait0, pump_idle0 = 0.0, 0.0
-    clock = StepClock()
-    pending = None  # (step, device metrics, host metrics) of the step before the one in flight
-    reason = "max_steps"
 
-    def flush_metrics():
-        nonlocal pending
-        if pending is None:
-            return
-        s, dev, host = pending
-        row = {k: float(v) for k, v in jax.device_get(dev).items()}
-        row.update(host)
-        history.append({"step": s, **row})
-        sink.write(s, row)
-        pending = None
+class Session:
+    """The step loop and what it keeps between steps."""
 
-    def save(s: int):
-        nonlocal last_saved
-        flush_metrics()
-        if cfg.run.determinism:
-            pump.pause_for_cut(s, should_stop=lambda: pump.error is not None)
-        with ledger.lock:  # I2: iterator state, ledger and log sizes at one instant
-            it_state = pump.iterator_state()
-            cut = ledger.capture()
-            cut.counters["logs"] = {**logs.sizes(), "metrics_bytes": sink.jsonl.tell()}
-        if pump.error is not None:
-            raise pump.error
-        meta = {"step": s, "version": s, "data_stream": C.data_stream(cfg), "config": C.to_dict(cfg),
-                "processes": pc, "seed": cfg.run.seed, "time": time.time()}
-        ckpt.save(s, state, it_state, cut, meta)
-        if cfg.run.determinism:
-            pump.resume()
-        last_saved = s
-        return ckpt.last_blocking_s
+    def __init__(self, parts: Parts, start: Start, log, signals: sig.Signals):
+        cfg, pi = parts.cfg, jax.process_index()
+        self.parts, self.cfg, self.log, self.signals = parts, cfg, log, signals
+        self.pc, self.primary = jax.process_count(), pi == 0
+        self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
+        self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
+                            suffix=f".p{pi}" if pi else "", generation=len(parts.generations))
+        saved_logs = start.restored.ledger.header.get("logs") if start.restored else None
+        cut = self.logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
+        self.ledger, self.state, self.step = start.ledger, start.state, start.step
+        if start.restored is not None:
+            log(_resume_line(start.restored, self.ledger, cut))
+        elif cut:
+            log(f"starting at step 0: cut {cut} bytes of lineage written by an earlier start that committed no "
+                "checkpoint (its groups are drawn again)")
+        self.checkpointed = rundir.durable(parts.run_dir)
+        self.last_saved = start.step if start.restored else -1
+        self.ref_params = self.learner.init_params() if self.learner.use_ref else None
+        self.sink = MetricsSink(parts.run_dir, tensorboard=cfg.log.tensorboard and self.primary,
+                                progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
+                                every=cfg.log.every_steps, total_steps=_total_steps(cfg, parts.pd),
+                                start_step=start.step, console=log,
+                                name="metrics.jsonl" if self.primary else f"metrics.p{pi}.jsonl")
+        self.sink.jsonl.truncate(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
+        self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,
+                                                            on_regenerated=lambda g, s: self.logs.regenerated(s, g)),
+                                    groups_per_step=parts.local_pps)
+        self.journal = journal_mod.open_journal(
+            cfg, parts.run_dir, step=self.step, process_index=pi, process_count=self.pc,
+            stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append,
+            generation=len(parts.generations))
+        self.journal_compacted = self.step  # newest committed checkpoint the journal was compacted to
+        if self.journal is not None and (line := self.journal.restore(self.ledger, self.sampler, self.step)):
+            log(line)
+        params_e = self.engine.load_params(self.learner.publishable(self.state["params"]))
+        self.engine.update_params(params_e, self.step)
+        self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=self.engine, iterator=parts.iterator,
+                         tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
+                         params=params_e, version=self.step, partial=cfg.rollout.partial,
+                         deterministic=cfg.run.determinism, log=log, journal=self.journal)
+        self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
+                                        devices=list(self.engine.mesh.devices.flat)) if self.primary else None
+        if self.evaluator is not None:
+            log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
+        self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
+        self.params_e = params_e
+        self.clock = StepClock()
+        self.rates = _Rates()
+        self.t_start = time.perf_counter()
+        self.history: list[dict] = []
+        self.pending = None  # (step, device metrics, host metrics) of the step before the one in flight
+        self.reason = "max_steps"
+        self.trained = 0  # steps trained by this process in this session
+        self.save_blocking_s: float | None = None
+        # The pump thread is mostly Python between engine calls; a shorter GIL switch interval
+        # keeps it from starving Orbax's commit thread (measured: commit 5.4 s -> 2.1 s).
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(0.001)
 
-    local_stop = lambda: signals.received is not None or pump.error is not None
-    # one process cannot leave a step the others enter: with several, stop only at step boundaries
-    should_stop = local_stop if pc == 1 else (lambda: pump.error is not None)
-    pump.start()
-    try:
-        while cfg.train.max_steps == 0 or step < cfg.train.max_steps:
-            flags = sharding.agree([local_stop(), sampler.finished(step)])
-            if flags[:, 0].any():
-                break
-            if flags[:, 1].all():
-                reason = "data_exhausted"
-                break
-            t0 = time.perf_counter()
-            try:
-                groups = sampler.next_batch(step + 1, should_stop=should_stop)
-            except Stopped:
-                break
-            wait_s += time.perf_counter() - t0
+    def _on_filtered(self, groups, s):  # sampler, main thread, under the ledger lock
+        self.ledger.drop(groups, "zero_variance")
+        self.logs.filtered(s, groups)
+
+    def local_stop(self) -> bool:
+        return self.signals.received is not None or self.pump.error is not None
+
+    def should_stop(self) -> bool:
+        # one process cannot leave a step the others enter: with several, stop only at step boundaries
+        return self.local_stop() if self.pc == 1 else self.pump.error is not None
+
+    def run(self) -> None:
+        self.pump.start()
+        while self.cfg.train.max_steps == 0 or self.step < self.cfg.train.max_steps:
+            groups = self.next_groups()
             if groups is None:
-                if pc == 1:
-                    reason = "data_exhausted"
-                    break
-                groups = []  # this shard is done; the others still train, this process joins with no rows
-            rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward)
-                    for g in groups for s in g.samples]
-            batch = build_batch(rows, n_rows=local_pps * G, prompt_len=cfg.engine.max_prompt_len,
-                                max_new=cfg.rollout.max_new_tokens, pad_id=tok.pad_id,
-                                bucket_min=cfg.learner.bucket_min)
-            if sharding.agree([len(groups)]).sum() > 0:
-                state, dev_metrics = learner.step(state, batch, ref_params)
-                clock.dispatched(step + 1, dev_metrics)
-            else:  # every group of the step was filtered: the weights stay as they are
-                dev_metrics = {}
-            step += 1
-            # publish before the groups leave the ledger: a gate that counts buffered groups
-            # (fifo) must not let the pump start new work on the old weights in between
-            pump.publish(step, engine.load_params(learner.publishable(state["params"])))
-            with ledger.lock:
-                ledger.commit(groups)
-                logs.trained(step, groups)
-            faults.point("step", step)
-            faults.delay("step")
-            flush_metrics()
-            now = time.perf_counter()
-            host = _host_metrics(batch, step, groups, ledger, now - t_prev)
-            host.update({"perf/tokens_per_s": (pump.stats.tokens - tokens0) / max(now - t_prev, 1e-9),
-                         "perf/learner_wait_s": wait_s - wait0,
-                         "perf/pump_idle_frac": (pump.stats.idle_s - pump_idle0) / max(now - t_prev, 1e-9)})
-            idle = clock.idle_fraction(step)
-            if idle is not None:
-                host["perf/learner_idle_frac"] = idle
-            tokens0, t_prev, wait0, pump_idle0 = pump.stats.tokens, now, wait_s, pump.stats.idle_s
-            pending = (step, dev_metrics, host)
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                host["ckpt/save_blocking_s"] = save(step)
-        if reason != "data_exhausted" and sharding.agree([sampler.finished(step)]).all():
-            reason = "data_exhausted"
+                break
+            self.train_step(groups)
+            if self.cfg.checkpoint.every_steps and self.step % self.cfg.checkpoint.every_steps == 0:
+                self.save()
+        self.finish()
+
+    def next_groups(self) -> list | None:
+        """This process's groups of the next step; None when the run stops here."""
+        flags = sharding.agree([self.local_stop(), self.sampler.finished(self.step)])
+        if flags[:, 0].any():
+            return None
+        if flags[:, 1].all():
+            self.reason = "data_exhausted"
+            return None
+        t0 = time.perf_counter()
+        try:
+            groups = self.sampler.next_batch(self.step + 1, should_stop=self.should_stop)
+        except Stopped:
+            return None
+        self.rates.wait_s += time.perf_counter() - t0
+        if groups is None:
+            if self.pc == 1:
+                self.reason = "data_exhausted"
+                return None
+            groups = []  # this shard is done; the others still train, this process joins with no rows
+        return groups
+
+    def train_step(self, groups: list) -> None:
+        cfg, ledger = self.cfg, self.ledger
+        rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward) for g in groups for s in g.samples]
+        batch = build_batch(rows, n_rows=self.parts.local_pps * cfg.rollout.samples_per_prompt,
+                            prompt_len=cfg.engine.max_prompt_len, max_new=cfg.rollout.max_new_tokens,
+                            pad_id=self.parts.tok.pad_id, bucket_min=cfg.learner.bucket_min)
+        if sharding.agree([len(groups)]).sum() > 0:
+            self.state, dev_metrics = self.learner.step(self.state, batch, self.ref_params)
+            self.clock.dispatched(self.step + 1, dev_metrics)
+        else:  # every group of the step was filtered: the weights stay as they are
+            dev_metrics = {}
+        self.step += 1
+        # publish before the groups leave the ledger: a gate that counts buffered groups
+        # (fifo) must not let the pump start new work on the old weights in between
+        self.params_e = self.engine.load_params(self.learner.publishable(self.state["params"]))
+        self.pump.publish(self.step, self.params_e)
+        if self.trained == 0 and self.primary:
+            (self.parts.run_dir / "final.json").unlink(missing_ok=True)  # the run goes on past its end
+        with ledger.lock:
+            ledger.commit(groups)
+            self.logs.trained(self.step, groups)
+        self.trained += 1
+        faults.point("step", self.step)
+        faults.delay("step")
+        self.flush_metrics()
+        self.ckpt.check_for_errors()
+        self._mark_checkpointed()
+        self._compact_journal()
+        host = _host_metrics(batch, self.step, groups, ledger)
+        host.update(self.rates.take(self.pump.stats, self.clock.idle_fraction(self.step)))
+        if self.journal is not None:
+            host.update(self.journal.metrics(self.pump.stats.busy_s))
+        if self.save_blocking_s is not None:
+            host["ckpt/save_blocking_s"] = self.save_blocking_s  # the save after the previous step
+            self.save_blocking_s = None
+        if self.evaluator is not None and self.step % cfg.eval.every_steps == 0:
+            host.update(self.evaluate())
+        self.pending = (self.step, dev_metrics, host)
+
+    def evaluate(self) -> dict:
+        """Held-out scores of the weights after this step (in this step's metrics row)."""
+        t0 = time.perf_counter()
+        out = self.evaluator(self.params_e)
+        out["perf/eval_s"] = time.perf_counter() - t0
+        self.evaluated = self.step
+        return out
+
+    def flush_metrics(self) -> None:
+        if self.pending is None:
+            return
+        s, dev, host = self.pending
+        row = {k: float(v) for k, v in jax.device_get(dev).items()}
+        bad = {k: v for k, v in row.items() if k in ("learner/loss", "learner/grad_norm") and not math.isfinite(v)}
+        if bad:
+            raise NonFiniteError(
+                f"step {s}: {', '.join(f'{k}={v}' for k, v in bad.items())}: training diverged; stopped without "
+                f"saving it (the last committed checkpoint is step {max(self.last_saved, 0)}). Lower learner.lr "
+                "or change the data, then run the same command to resume from that step")
+        row.update(host)
+        self.history.append({"step": s, **row})
+        self.sink.write(s, row)
+        self.pending = None
+
+    def save(self) -> None:
+        s = self.step
+        self.flush_metrics()
+        pump = self.pump
+        if self.cfg.run.determinism:
+            pump.pause_for_cut(s, should_stop=lambda: pump.error is not None)
+        with self.ledger.lock:  # I2: iterator state, ledger and log sizes at one instant
+            it_state = pump.iterator_state()
+            cut = self.ledger.capture()
+            cut.counters["logs"] = {**self.logs.sizes(), "metrics_bytes": self.sink.jsonl.tell()}
+            if self.journal is not None:
+                self.journal.rotate(s)  # records after the cut go to a segment this checkpoint does not cover
         if pump.error is not None:
             raise pump.error
-        if signals.received:
-            reason = "signal"
-        flush_metrics()
-        if last_saved != step:
-            save(step)
-        ckpt.wait()
-    finally:
-        pump.stop()
-        clock.close()
-        signals.restore()
-        sys.setswitchinterval(switch)
-        sink.close()
-        ckpt.close()
-        logs.close()
+        meta = {"step": s, "version": s, "data_stream": C.data_stream(self.cfg), "config": C.to_dict(self.cfg),
+                "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
+        self.ckpt.save(s, self.state, it_state, cut, meta)
+        if self.cfg.run.determinism:
+            pump.resume()
+        self.last_saved = s
+        self.save_blocking_s = self.ckpt.last_blocking_s
 
-    fp = params_fingerprint(learner.publishable(state["params"]) if pc > 1 else state["params"])
+    def _compact_journal(self) -> None:
+        """Deletes the journal segments that a checkpoint of this session, once committed, made obsolete."""
+        if self.journal is None or self.last_saved <= self.journal_compacted:
+            return
+        done = [s for s in self.ckpt.steps() if self.journal_compacted < s <= self.last_saved]
+        if done:
+            self.journal.compact(done[-1])
+            self.journal_compacted = done[-1]
+
+    def _mark_checkpointed(self) -> None:
+        if not self.checkpointed and self.primary and self.last_saved >= 0 and self.ckpt.steps():
+            rundir.mark_checkpointed(self.parts.run_dir, self.ckpt.steps()[0])
+            self.checkpointed = True
+
+    def finish(self) -> None:
+        if self.reason != "data_exhausted" and sharding.agree([self.sampler.finished(self.step)]).all():
+            self.reason = "data_exhausted"
+        if self.pump.error is not None:
+            raise self.pump.error
+        if self.signals.received:
+            self.reason = "signal"
+            if not self.trained:
+                self.log(f"{self.signals.received} during start-up: stopped before training "
+                         f"({'at checkpoint step ' + str(self.step) if self.last_saved >= 0 else 'nothing trained'})")
+        if self.evaluator is not None and self.evaluated != self.step and self.pending is not None:
+            self.pending[2].update(self.evaluate())  # the end of the run: score its final weights
+        self.flush_metrics()
+        if self.last_saved != self.step and (self.trained or not self.signals.received):
+            self.save()
+        self.ckpt.wait()
+        self._mark_checkpointed()
+        self._compact_journal()
+
+    def close(self, failing: bool = False) -> None:
+        """Stops the threads and closes the files; with `failing`, an error of the checkpointer is
+        reported as a warning so it does not hide the one that stopped the run."""
+        self.pump.stop()
+        if self.journal is not None:
+            self.journal.close()
+            if self.journal.usage.samples or self.journal.usage.unused:
+                self.log(self.journal.summary())
+        self.clock.close()
+        sys.setswitchinterval(self._switch)
+        self.sink.close()
+        self.logs.close()
+        try:
+            self.ckpt.close()
+        except CheckpointWriteError as e:
+            if not failing:
+                raise
+            self.log(f"warning: {e}")
+
+
+@dataclass
+class _Rates:
+    """Per-step throughput and idle figures, from counters read at each step."""
+    wait_s: float = 0.0  # the learner's total wait for batches
+    _t: float = field(default_factory=time.perf_counter)
+    _tokens: int = 0
+    _wait: float = 0.0
+    _idle: float = 0.0
+
+    def take(self, stats, learner_idle: float | None) -> dict:
+        now = time.perf_counter()
+        dt = max(now - self._t, 1e-9)
+        out = {"perf/step_time_s": dt, "perf/tokens_per_s": (stats.tokens - self._tokens) / dt,
+               "perf/learner_wait_s": self.wait_s - self._wait, "perf/pump_idle_frac": (stats.idle_s - self._idle) / dt,
+               "rollout/generated_tokens": stats.tokens}
+        if learner_idle is not None:
+            out["perf/learner_idle_frac"] = learner_idle
+        self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
+        return out
+
+
+def _host_metrics(batch, step: int, groups, ledger: Ledger) -> dict:
+    lag = (step - 1) - batch.versions_BxN[batch.mask_BxN & batch.row_valid_B[:, None]]
+    with ledger.lock:  # the pump thread adds, resets and removes groups meanwhile
+        counts = ledger.counts()
+        m = {"data/groups": len(groups), "data/drawn": ledger.next_ordinal,
+             "data/ledger_ready": counts["ready"], "data/ledger_generating": counts["generating"],
+             "data/ledger_pending": counts["pending"], "data/regenerated": ledger.regenerated_groups,
+             "perf/regen_tokens_per_1k": 1000.0 * ledger.regenerated_tokens / max(ledger.trained_tokens, 1)}
+        m.update({f"data/dropped/{k}": v for k, v in ledger.dropped.items()})
+    m.update({"rollout/staleness_mean": float(lag.mean()) if lag.size else 0.0,
+              "rollout/staleness_max": int(lag.max()) if lag.size else 0,
+              "rollout/staleness_hist": np.bincount(lag).tolist() if lag.size else []})
+    if groups:
+        m["data/epoch"] = max(g.epoch for g in groups)
+    return m
+
+
+# ---- 6. report ----------------------------------------------------------------------------
+
+
+def report(parts: Parts, s: Session, log) -> RunResult:
+    cfg, learner, ledger = parts.cfg, parts.learner, s.ledger
+    fp = params_fingerprint(learner.publishable(s.state["params"]) if s.pc > 1 else s.state["params"])
     with ledger.lock:
         open_epochs = {g.epoch for g in ledger.groups.values()}
-        next_epoch = ledger.next_ordinal // max(pd.records_per_epoch, 1)
+        next_epoch = parts.pd.epoch_at(parts.iterator.next_index)  # every epoch before it is drawn here
         local_done = [e not in open_epochs and (ledger.exhausted or e < next_epoch) for e in range(cfg.data.num_epochs)]
     complete = [e for e, ok in enumerate(sharding.agree(local_done).all(axis=0)) if ok]
     exhausted = bool(sharding.agree([ledger.exhausted]).all())
-    rewards_seen = [h["rollout/reward_mean"] for h in history if "rollout/reward_mean" in h]
-    res = RunResult(step=step, exit_code=130 if signals.received == "SIGINT" else 0, reason=reason, fingerprint=fp,
-                    reward_first=rewards_seen[0] if rewards_seen else None,
-                    reward_last=float(np.mean(rewards_seen[-5:])) if rewards_seen else None, history=history)
-    if primary:
-        final_path.write_text(json.dumps({"step": step, "fingerprint": fp, "reason": reason, "exhausted": exhausted,
-                                          "complete_epochs": complete}))
+    rewards_seen = [h["rollout/reward_mean"] for h in s.history if "rollout/reward_mean" in h]
+    res = RunResult(step=s.step, exit_code=130 if s.signals.received == "SIGINT" else 0, reason=s.reason,
+                    fingerprint=fp, reward_first=rewards_seen[0] if rewards_seen else None,
+                    reward_last=float(np.mean(rewards_seen[-5:])) if rewards_seen else None, history=s.history)
+    if s.primary:
+        rundir.write_atomic(parts.run_dir / "final.json", json.dumps({
+            "step": s.step, "fingerprint": fp, "reason": s.reason, "exhausted": exhausted,
+            "complete_epochs": complete}))
         log(f"params fingerprint: {fp}")
-        if cfg.log.plot and plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png"):
-            log(f"reward curve: {run_dir / 'reward.png'}")
-        _report(cfg, res, history, time.perf_counter() - t_start, log)
+        if cfg.log.plot and plot_rewards(parts.run_dir / "metrics.jsonl", parts.run_dir / "reward.png"):
+            log(f"reward curve: {parts.run_dir / 'reward.png'}")
+        _report(cfg, res, s.history, time.perf_counter() - s.t_start, log)
     return res
 
 
@@ -315,28 +560,11 @@ def _prefixed(log, prefix: str):
     return lambda msg: log(prefix + msg)
 
 
-def _host_metrics(batch, step: int, groups, ledger: Ledger, dt: float) -> dict:
-    lag = (step - 1) - batch.versions_BxN[batch.mask_BxN & batch.row_valid_B[:, None]]
-    counts = ledger.counts()
-    m = {"perf/step_time_s": dt,
-         "rollout/staleness_mean": float(lag.mean()) if lag.size else 0.0,
-         "rollout/staleness_max": int(lag.max()) if lag.size else 0,
-         "rollout/staleness_hist": np.bincount(lag).tolist() if lag.size else [],
-         "data/groups": len(groups), "data/drawn": ledger.next_ordinal,
-         "data/ledger_ready": counts["ready"], "data/ledger_generating": counts["generating"],
-         "data/ledger_pending": counts["pending"],
-         "data/regenerated": ledger.regenerated_groups,
-         "perf/regen_tokens_per_1k": 1000.0 * ledger.regenerated_tokens / max(ledger.trained_tokens, 1)}
-    if groups:
-        m["data/epoch"] = max(g.epoch for g in groups)
-    m.update({f"data/dropped/{k}": v for k, v in ledger.dropped.items()})
-    return m
-
-
 def _resume_line(restored, ledger: Ledger, cut: int) -> str:
     summ = restored.ledger.summary()
-    ready_steps = sorted({g.target_step for g in ledger.groups.values()
-                          if g.state.name == "READY" and g.target_step is not None})
+    with ledger.lock:
+        ready_steps = sorted({g.target_step for g in ledger.groups.values()
+                              if g.state.name == "READY" and g.target_step is not None})
     return (f"resumed step {restored.step}: {summ['ready']} ready groups"
             + (f" (step {', '.join(map(str, ready_steps))})" if ready_steps else "")
             + f", {summ['generating']} generating ({summ['kept_tokens']} tokens kept), {summ['pending']} pending; "
@@ -371,8 +599,9 @@ def _report(cfg: Config, res: RunResult, history: list[dict], wall: float, log) 
     hit = next((h for h in history if h.get("rollout/reward_mean", 0) >= target), None)
     msg = (f"done: step {res.step} ({res.reason}) in {wall:.0f}s; mean reward {res.reward_first:.3f} -> "
            f"{res.reward_last:.3f} (last 5 steps)")
-    if hit is not None:
-        msg += f"; reached {target} at step {hit['step']}"
-    else:
-        msg += f"; did not reach {target}"
+    msg += f"; reached {target} at step {hit['step']}" if hit is not None else f"; did not reach {target}"
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        msg += (f"; held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f} "
+                f"(step {evals[-1]['step']})")
     log(msg)

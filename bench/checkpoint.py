@@ -184,6 +184,7 @@ def part_save(args, scratch: Path) -> None:
 
     def run(async_save: bool, busy: bool, name: str):
         ck = Checkpointer(scratch / name, keep=2, async_save=async_save)
+        ck.open()
         blocking, total = [], []
         for i in range(1, args.saves + 1):
             gc.collect()
@@ -327,6 +328,7 @@ def part_ledger(args, scratch: Path) -> None:
         # The full checkpoint step, async manager: how long save() holds the caller with this ledger in it.
         ck_block = []
         ck = Checkpointer(scratch / f"ck_{n}", keep=1, async_save=True)
+        ck.open()
         for i in range(1, 3):
             ck.save(i, tiny_state, {"next_index": n}, ledger.capture(), {"step": i})
             ck.wait()
@@ -352,7 +354,7 @@ def part_ledger(args, scratch: Path) -> None:
             for n, w, c, b, f in per_group))
         import resource
         print(f"peak RSS of this process so far: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB")
-        worst = max(float(r[6].rstrip("x")) for r in rows)
+        worst = max(float(r[7].rstrip("x")) for r in rows)
         print(f"handler write vs np.save of the same bytes: worst {worst:.2f}x; target <= 2x: "
               f"{'met' if worst <= 2 else 'NOT met'}")
 

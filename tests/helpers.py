@@ -14,7 +14,7 @@ FAST = ["log.progress=false", "log.tensorboard=false", "log.plot=false",
         f"run.compilation_cache={_os.environ.get('ASYNC_RL_TEST_XLA_CACHE', '')}",
         "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_kv_heads=2",
         "engine.max_concurrent_decodes=16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
-        "data.max_digits=4", "checkpoint.every_steps=0"]
+        "data.max_digits=4", "checkpoint.every_steps=0", "eval.every_steps=0"]
 
 
 def cfg(run_dir: Path, *overrides: str) -> C.Config:
@@ -49,8 +49,9 @@ def cli_args(run_dir: Path, *overrides: str, cache: Path | None = None) -> list[
 
 
 def run_cli(run_dir: Path, *overrides: str, cache: Path | None = None, kill_at: str = "", delay: str = "",
-            timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, PYTHONUNBUFFERED="1")
+            fault: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, ASYNC_RL_FAULT=fault,
+               PYTHONUNBUFFERED="1")
     return subprocess.run(cli_args(run_dir, *overrides, cache=cache), capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -75,10 +76,13 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise TimeoutError(f"step {step} not reached in {timeout}s")
 
 
-def kill9(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+def kill9(proc: subprocess.Popen) -> bool:
+    """SIGKILLs `proc` if it still runs; True if the kill is what ended it."""
+    alive = proc.poll() is None
+    if alive:
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+    return alive and proc.returncode == -signal.SIGKILL
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -132,3 +136,82 @@ def run_multi(run_dir: Path, *overrides: str, nproc: int = 2, devices_per_proces
                 if q.poll() is None:
                     q.kill()
     return out
+
+
+def wait_until(cond, timeout: float, what: str = "condition", poll: float = 0.02) -> None:
+    """Polls `cond()` until it is true; TimeoutError after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} not reached in {timeout}s")
+        time.sleep(poll)
+
+
+def tree_digest(root: Path, only: tuple = (), skip: tuple = ()) -> dict[str, str]:
+    """{relative path: sha256} of every file under `root` (or only the named top-level entries)."""
+    import hashlib
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        rel = p.relative_to(root)
+        if not p.is_file() or (only and rel.parts[0] not in only) or rel.parts[0] in skip:
+            continue
+        out[str(rel)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def handles_sigterm(pid: int) -> bool:
+    """Has process `pid` installed a SIGTERM handler yet (Linux: SigCgt in /proc)?"""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    except OSError:
+        return False
+    return False
+
+
+def spawn_job(run_dir: Path, *overrides: str, nproc: int = 1, devices_per_process: int | None = None,
+              kill_at: str = "", delay: str = "") -> list[subprocess.Popen]:
+    """`nproc` training processes on `run_dir` (joined through jax.distributed on loopback when
+    more than one), each with `devices_per_process` forced CPU devices (default: this session's);
+    `kill_at` applies to process 0. stderr goes to a temporary file (`read_stderr`)."""
+    import tempfile
+    port = free_port()
+    procs = []
+    for i in range(nproc):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", ASYNC_RL_KILL_AT=kill_at if i == 0 else "",
+                   ASYNC_RL_DELAY=delay)
+        if devices_per_process:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+        if nproc > 1:
+            env.update(ASYNC_RL_DISTRIBUTED="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                       ASYNC_RL_NUM_PROCESSES=str(nproc), ASYNC_RL_PROCESS_ID=str(i))
+        err = tempfile.TemporaryFile(mode="w+")
+        p = subprocess.Popen(cli_args(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=err, text=True, env=env)
+        p.err_file = err
+        procs.append(p)
+    return procs
+
+
+def read_stderr(proc: subprocess.Popen) -> str:
+    proc.err_file.seek(0)
+    return proc.err_file.read()
+
+
+def finish_job(procs: list[subprocess.Popen], timeout: float = 300, kill_rest: bool = False) -> list[int]:
+    """Waits for every process (bounded); with `kill_rest`, once the first ends the others are
+    SIGKILLed (they wait on a collective the dead one never joins). Returns the exit codes."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=60)
+        if kill_rest:
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+    for p in procs:
+        p.wait(timeout=60)
+    return [p.returncode for p in procs]

@@ -382,6 +382,8 @@ def test_parquet_bad_rows(tmp_path):
 def test_missing_or_unreadable_file(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         build_dataset(file_cfg(tmp_path / "nope.jsonl"), TOK)
+    with pytest.raises(DataError, match="is a directory; expected a JSONL file"):
+        build_dataset(file_cfg(tmp_path), TOK)
     junk = tmp_path / "junk.parquet"
     junk.write_text("not parquet")
     with pytest.raises(DataError, match="junk.parquet: cannot read as Parquet"):

@@ -141,7 +141,12 @@ def test_export_of_a_byte_tokenizer_run_without_hf_source(tmp_path, xla_cache):
     res = train(cfg(run, "data.num_records=8", "rollout.prompts_per_step=4", "train.max_steps=1",
                     "model.learned_positions=0", xla_cache))
     out = tmp_path / "hf"
-    assert cli.main(["export", str(run), "--out", str(out)]) == 0
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # relative paths, as in the README's example
+    try:
+        assert cli.main(["export", "run", "--out", "hf"]) == 0
+    finally:
+        os.chdir(cwd)
     doc = json.loads((out / "config.json").read_text())
     assert (doc["architectures"], doc["vocab_size"], doc["eos_token_id"]) == (["LlamaForCausalLM"], 19, 2)
     assert params_fingerprint(load_exported(out, 19)) == res.fingerprint

@@ -6,7 +6,9 @@ import json
 from async_rl.audit import audit
 from helpers import run_multi
 
-BASE = ["data.num_records=25", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "data.shuffle=false"]
+# synchronous saves: the kill at step 5 must find step 4's checkpoint committed
+BASE = ["data.num_records=25", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "data.shuffle=false",
+        "checkpoint.async=false"]
 
 
 def _rows(run_dir):

@@ -87,18 +87,20 @@ def test_pump_wakes_when_published_weights_are_computed():
     try:
         w = Weights(1, computed=False)
         pump.publish(1, w)
-        woke = []
+        woke, parked = [], threading.Event()
 
         def wait():
             with pump.ledger.changed:
+                parked.set()
                 t0 = time.perf_counter()
                 pump.ledger.changed.wait(5.0)
                 woke.append(time.perf_counter() - t0)
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        time.sleep(0.2)  # the waiter is parked on the condition
-        w.finish()
+        assert parked.wait(10)
+        with pump.ledger.changed:  # acquired only once the waiter is inside wait() (it releases the lock)
+            w.finish()
         waiter.join(10)
         assert woke and woke[0] < 2.0  # notified, not timed out
     finally:

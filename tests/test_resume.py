@@ -1,11 +1,13 @@
-"""Resume scenarios, each with real training subprocesses (DESIGN.md I2, I3, I5, I7)."""
+"""Resume scenarios, each with real training subprocesses (docs/design.md I2, I3, I5, I7)."""
 import json
 import shutil
 
 import pytest
 
 from async_rl.audit import audit
-from helpers import (checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of)
+from async_rl.config import ConfigError
+from async_rl.train import train
+from helpers import (cfg, checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest)
 
 BASE = ["data.shuffle=false", "data.num_records=24", "rollout.prompts_per_step=3"]
 
@@ -104,17 +106,56 @@ def test_exhaustion_on_a_batch_boundary(tmp_path, xla_cache, epochs):
         assert r.returncode == 0 and len(lineage(run)) == 8 * epochs
 
 
-def test_resume_refuses_a_changed_data_stream(tmp_path, xla_cache):
-    r = run_cli(tmp_path, *BASE, "train.max_steps=2", cache=xla_cache)
+def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
+    r = run_cli(tmp_path, *BASE, "train.max_steps=2", "checkpoint.every_steps=1", cache=xla_cache)
     assert r.returncode == 0, r.stderr
-    before = (tmp_path / "lineage.jsonl").read_bytes()
-    for change in ("data.seed=7", "rollout.samples_per_prompt=8", "data.num_records=30"):
-        r = run_cli(tmp_path, *BASE, change, cache=xla_cache)
-        assert r.returncode == 2, r.stderr
-        assert change.split("=")[0] in r.stderr and "Traceback" not in r.stderr
-    assert (tmp_path / "lineage.jsonl").read_bytes() == before  # nothing already saved was touched
+    before = tree_digest(tmp_path, skip=("e2",))
+    refusals = [("data.seed=7",), ("rollout.samples_per_prompt=8",), ("data.num_records=30",),
+                ("learner.grad_clip=0",), ("model.d_model=48",), ("data.num_epochs=1", "data.num_records=24")]
+    with_epochs = run_cli(tmp_path / "e2", *BASE, "data.num_epochs=2", "train.max_steps=1", cache=xla_cache)
+    assert with_epochs.returncode == 0, with_epochs.stderr
+    r = run_cli(tmp_path, *BASE, "data.seed=7", cache=xla_cache)  # the command line: exit 2, one line
+    assert r.returncode == 2 and "data.seed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for change in refusals:  # in-process (faster): the same refusal, raised before anything is written
+        where = tmp_path / "e2" if "data.num_epochs=1" in change else tmp_path
+        snap = tree_digest(where)
+        for _ in range(2):  # and the refusal holds on every invocation
+            with pytest.raises(ConfigError) as e:
+                train(cfg(where, *BASE, *change))
+            assert change[0].split("=")[0] in str(e.value) and "nothing was changed" in str(e.value)
+            assert tree_digest(where) == snap, change
+    assert tree_digest(tmp_path, skip=("e2",)) == before
+    assert audit(tmp_path)["ok"] and (tmp_path / "final.json").exists()
     r = run_cli(tmp_path, *BASE, "train.max_steps=3", "learner.lr=5e-4", cache=xla_cache)
     assert r.returncode == 0, r.stderr
+    changed = next(ln for ln in r.stderr.splitlines() if "changed since step 2:" in ln)
+    assert "learner.lr: saved 0.001, now 0.0005" in changed
+
+
+def test_a_grown_prompt_file_is_refused_and_touches_nothing(tmp_path, xla_cache):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}{i}=", "answer": f"{i}{i}"}) + "\n" for i in range(12)))
+    ov = ["data.source=jsonl", f"data.path={data}", "data.num_records=0", "rollout.reward=exact_match",
+          "rollout.prompts_per_step=3", "train.max_steps=2"]
+    r = run_cli(tmp_path / "run", *ov, cache=xla_cache)
+    assert r.returncode == 0, r.stderr
+    before = tree_digest(tmp_path / "run")
+    with data.open("a") as f:
+        f.write(json.dumps({"prompt": "77=", "answer": "77"}) + "\n")
+    r = run_cli(tmp_path / "run", *ov, cache=xla_cache)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert tree_digest(tmp_path / "run") == before
+
+
+def test_more_epochs_continue_a_finished_run(tmp_path, xla_cache):
+    ov = ["data.num_records=8", "rollout.prompts_per_step=4"]
+    r = run_cli(tmp_path, *ov, cache=xla_cache)
+    assert r.returncode == 0 and json.loads((tmp_path / "final.json").read_text())["exhausted"], r.stderr
+    r = run_cli(tmp_path, *ov, "data.num_epochs=2", cache=xla_cache)
+    assert r.returncode == 0, r.stderr
+    rows = lineage(tmp_path)
+    assert sorted((x["epoch"], x["prompt_id"]) for x in rows) == [(e, i) for e in (0, 1) for i in range(8)]
+    assert audit(tmp_path)["ok"]
 
 
 def test_damaged_latest_step_falls_back(tmp_path, xla_cache):

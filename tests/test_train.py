@@ -70,3 +70,48 @@ def test_disjoint_engine_devices_and_kl(tmp_path):
     assert all("learner/kl" in h and h["learner/kl"] >= -1e-6 for h in res.history)  # k3 >= 0 up to rounding
     assert res.history[0]["learner/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains the initial policy
     assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(12))
+
+
+def test_main_thread_ledger_reads_hold_the_lock_while_the_pump_thread_mutates():
+    """The per-step metrics read the ledger while the pump thread adds and removes groups;
+    without the lock, iterating `ledger.groups` raises 'dictionary changed size'."""
+    import sys
+    import threading
+    import time
+
+    from async_rl.learner import build_batch
+    from async_rl.ledger import Ledger
+    from async_rl.train import _host_metrics
+
+    led = Ledger(2)
+    rec = lambda i: {"prompt_id": i, "epoch": 0, "prompt": "1=", "answer": "1", "prompt_tokens": np.ones(2, np.int32)}
+    for i in range(400):
+        led.add(rec(i), None)
+    stop, errors = threading.Event(), []
+
+    def pump():  # draws and trains as the real pump and learner do: always under the lock
+        i = 400
+        while not stop.is_set():
+            with led.lock:
+                led.add(rec(i), None)
+                led.commit([led.groups[min(led.groups)]])
+            i += 1
+
+    batch = build_batch([], groups_per_step=1, samples=2, prompt_len=2, max_new=2, pad_id=0)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: any unlocked read collides
+    t = threading.Thread(target=pump)
+    t.start()
+    try:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            try:
+                _host_metrics(batch, 1, [], led)
+            except RuntimeError as e:
+                errors.append(e)
+                break
+    finally:
+        stop.set()
+        t.join(10)
+        sys.setswitchinterval(switch)
+    assert not errors, errors

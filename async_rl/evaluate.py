@@ -1,0 +1,127 @@
+"""Held-out evaluation: score the current policy on prompts the run never trains on.
+
+Owns: the eval set (a prompt file given by `eval.path`, or for synthetic tasks prompt ids
+disjoint from the training ids, leaving out any prompt whose text a training record has),
+generating completions with given weights on an engine of its own (greedy for pass@1,
+sampled at `engine.temperature` for pass@k), scoring them with the run's reward, and the
+`async-rl eval RUN_DIR` command. Does not own: the training stream (eval prompts never enter
+the ledger, the lineage or the pump's engine, so exactly-once accounting is untouched),
+when to evaluate (train), or writing metrics (metrics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import config as C
+from . import data as data_mod
+from . import rewards
+from .engine import Engine, generate_all
+
+# Synthetic eval prompt ids start here: far above any training id (0 .. num_records-1).
+SYNTHETIC_EVAL_BASE = 1 << 40
+EVAL_ORDINAL_BASE = 1 << 30  # the engine's int32 sampling-key ordinals of eval prompts
+
+
+@dataclass
+class EvalSet:
+    prompt_ids: list[int]
+    prompts: list[np.ndarray]  # encoded prompt tokens
+    answers: list[str]
+    source: str  # for messages: "held-out synthetic:reverse" or the file
+
+
+def build_eval_set(cfg: C.Config, tok) -> EvalSet:
+    e, d = cfg.eval, cfg.data
+    if e.path:
+        file_cfg = C.replace(cfg, data={"source": "parquet" if e.path.endswith(".parquet") else "jsonl",
+                                        "path": e.path, "num_records": 0})
+        records, _, _ = data_mod.load_prompt_file(file_cfg, tok)
+        records = records[:e.num_records or None]  # at most eval.num_records, in file order
+        source = e.path
+    else:
+        if d.source != "synthetic":
+            raise C.ConfigError(f"eval.every_steps={e.every_steps}: eval.path is required for data.source={d.source}")
+        train_prompts = {data_mod.synthetic_record(d.task, d.seed, i, d.min_digits, d.max_digits)["prompt"]
+                         for i in range(d.num_records)}
+        records, pid = [], SYNTHETIC_EVAL_BASE
+        while len(records) < e.num_records and pid < SYNTHETIC_EVAL_BASE + 100 * e.num_records:
+            rec = data_mod.synthetic_record(d.task, d.seed, pid, d.min_digits, d.max_digits)
+            if rec["prompt"] not in train_prompts:  # held out in content, not only in id
+                records.append(rec)
+            pid += 1
+        source = f"held-out synthetic:{d.task}"
+    return EvalSet(prompt_ids=[int(r["prompt_id"]) for r in records],
+                   prompts=[tok.encode_prompt(r["prompt"]) for r in records],
+                   answers=[str(r["answer"]) for r in records], source=source)
+
+
+class Evaluator:
+    """Scores weights on the eval set with an engine of its own (same devices as generation)."""
+
+    def __init__(self, cfg: C.Config, graphdef, vocab_size: int, tok, reward_fn, devices=None):
+        self.cfg, self.tok, self.reward_fn = cfg, tok, reward_fn
+        self.set = build_eval_set(cfg, tok)
+        self.k = cfg.eval.samples_per_prompt
+        greedy = self.k == 1
+        slots = min(cfg.engine.max_concurrent_decodes, max(1, len(self.set.prompts) * self.k))
+        self.engine = Engine(cfg.model, graphdef, vocab_size=vocab_size, slots=slots,
+                             max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
+                             temperature=0.0 if greedy else cfg.engine.temperature,
+                             top_k=0 if greedy else cfg.engine.top_k, top_p=1.0 if greedy else cfg.engine.top_p,
+                             seed=cfg.run.seed, devices=devices)
+        self._stops = tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
+
+    def describe(self) -> str:
+        how = "greedy, pass@1" if self.k == 1 else f"{self.k} samples at T={self.cfg.engine.temperature}, pass@{self.k}"
+        return f"{len(self.set.prompts)} prompts ({self.set.source}; {how})"
+
+    def __call__(self, params) -> dict[str, float]:
+        """`eval/*` metrics of `params` (any layout: they are put on the engine's devices)."""
+        if not self.set.prompts:
+            return {}
+        # sampling keys come from (seed, ordinal, sample, position): give eval prompts ordinals of
+        # their own, far from the training stream's
+        ordinals = [EVAL_ORDINAL_BASE + i for i in range(len(self.set.prompts))]
+        comps = generate_all(self.engine, self.engine.load_params(params), self.set.prompts, samples=self.k,
+                             eos_id=self._stops, ordinals=ordinals)
+        scores = np.array([[self._score(c.tokens, ans) for c in per] for per, ans in zip(comps, self.set.answers)])
+        correct = scores >= self.cfg.eval.correct_threshold
+        out = {"eval/reward_mean": float(scores.mean()), "eval/accuracy": float(correct.mean()),
+               "eval/completion_tokens": float(np.mean([len(c.tokens) for per in comps for c in per]))}
+        if self.k > 1:
+            out[f"eval/pass@{self.k}"] = float(correct.any(axis=1).mean())
+        return out
+
+    def _score(self, tokens: np.ndarray, answer: str) -> float:
+        return float(self.reward_fn(self.tok.decode([t for t in tokens.tolist() if t not in self._stops]), answer))
+
+
+def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None) -> Evaluator | None:
+    if not cfg.eval.every_steps:
+        return None
+    _, reward_fn = rewards.reward_for_config(cfg)
+    return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices)
+
+
+def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] = ()) -> tuple[int, dict, str]:
+    """`async-rl eval`: (step, metrics, description) of a saved step of a run, read-only."""
+    from flax import nnx
+
+    from .export import load_run, restore_params
+    from .model import Transformer
+    cfg, tok, vocab, steps, ckpt_dir = load_run(run_dir)
+    cfg = C.with_overrides(cfg, overrides)
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every_steps=cfg.eval.every_steps or 1))
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ValueError(f"--step {step}: no committed checkpoint step {step} in {ckpt_dir} "
+                         f"(steps: {', '.join(map(str, steps))})")
+    params = restore_params(ckpt_dir / str(step) / "state", cfg.model, vocab)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0))), nnx.Param)[0]
+    ev = make_evaluator(cfg, graphdef, vocab, tok)
+    return step, ev(params), ev.describe()
