@@ -97,7 +97,7 @@ def test_main_thread_ledger_reads_hold_the_lock_while_the_pump_thread_mutates():
                 led.commit([led.groups[min(led.groups)]])
             i += 1
 
-    batch = build_batch([], groups_per_step=1, samples=2, prompt_len=2, max_new=2, pad_id=0)
+    batch = build_batch([], n_rows=2, prompt_len=2, max_new=2, pad_id=0)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: any unlocked read collides
     t = threading.Thread(target=pump)
