@@ -72,6 +72,7 @@ def test_crash_matrix_in_order(tmp_path, xla_cache, lookahead):
     _check_run(tmp_path, staleness_bound=lookahead)
 
 
+@pytest.mark.soak  # CI time; fifo and windowed crashes also run in the soak matrix
 @pytest.mark.parametrize("name", ["fifo", "windowed"])
 def test_crash_staleness_samplers(tmp_path, xla_cache, name):
     ov = [*BASE, f"sampler.name={name}", "sampler.max_staleness=1", "rollout.partial=true"]
