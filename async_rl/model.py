@@ -236,11 +236,21 @@ def _policy(remat: str):
             "dots": jax.checkpoint_policies.checkpoint_dots}.get(remat)
 
 
-class Transformer(nnx.Module):
-    """Holds only `nnx.Param`s, so `nnx.split(model)` gives (graphdef, params)."""
+# Logit of an id outside the tokenizer: exp() of it is exactly 0 in fp32 (so it is never
+# drawn and adds nothing to a softmax or an entropy), yet finite, so 0 * logp stays 0.
+OUTSIDE_LOGIT = -1e30
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
+
+class Transformer(nnx.Module):
+    """Holds only `nnx.Param`s, so `nnx.split(model)` gives (graphdef, params).
+
+    `n_tokens`: the tokenizer's vocabulary size when the embedding has more rows (Hugging
+    Face checkpoints pad it); logits of ids >= n_tokens are `OUTSIDE_LOGIT`. It lives in the
+    graphdef, so the engine's sampling and the learner's logprobs share the mask."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs, n_tokens: int = 0):
         self.cfg = cfg
+        self.n_tokens = n_tokens if 0 < n_tokens < vocab_size else 0
         self.embed = Embed(vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
         self.layers = _stack_blocks([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)], cfg)
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg)
@@ -266,9 +276,13 @@ class Transformer(nnx.Module):
     def _logits(self, x):
         x = self.final_norm(x)
         if self.lm_head is None:
-            return self.embed.attend(x)
-        return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+            logits = self.embed.attend(x)
+        else:
+            logits = jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
+                                preferred_element_type=jnp.float32)
+        if not self.n_tokens:
+            return logits
+        return jnp.where(jnp.arange(logits.shape[-1]) < self.n_tokens, logits, OUTSIDE_LOGIT)
 
     def _scan(self, body, carry, xs=None, *, remat: str = "none", unroll: bool | int = 1, gather=None):
         """Runs `body(carry, block, xs_i) -> (carry, y_i)` over the stacked blocks; `gather`

@@ -158,7 +158,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     vocab = cfg.model.vocab_size or tok.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
-    learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared)
+    learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size)
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
