@@ -29,7 +29,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from async_rl.config import ModelConfig
+from async_rl import attention, sharding
+from async_rl.config import ConfigError, ModelConfig
 from async_rl.model import KVCache, init_cache, layout
 
 
@@ -90,56 +91,126 @@ def sample_token(logits_V, key, *, temperature: float, top_k: int, top_p: float)
     return token, logp_V[token]
 
 
+AXES = ("data", "tensor")
+
+
+def engine_mesh(devices, tensor: int = 1) -> Mesh:
+    """Mesh ("data", "tensor") over the engine's devices: slots split over data, weights
+    and KV heads over tensor (consecutive devices form a tensor group)."""
+    devs = np.asarray(devices, dtype=object).reshape(-1)
+    if tensor < 1 or devs.size % tensor:
+        raise ConfigError(f"engine.tensor={tensor}: must divide the engine's {devs.size} devices")
+    return Mesh(devs.reshape(devs.size // tensor, tensor), AXES)
+
+
+def check_tensor(model_cfg: ModelConfig, tensor: int) -> None:
+    """Attention heads and KV heads split whole over the tensor axis."""
+    for name, n in (("model.n_heads", model_cfg.n_heads), ("model.n_kv_heads", model_cfg.n_kv_heads)):
+        if n % tensor:
+            raise ConfigError(f"engine.tensor={tensor}: must divide {name}={n} (heads split whole over it)")
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _is_norm_scale(axes) -> bool:
+    return axes is not None and tuple(a for a in axes if a != "layers") == ("embed",)
+
+
 class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
-                 steps_per_call: int = 1):
+                 steps_per_call: int = 1, tensor: int = 1):
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.width = max_prompt_len + max_new_tokens
         self.seed = seed
         self.steps_per_call = steps_per_call
+        self.dtype = jnp.dtype(model_cfg.dtype)
         self._sample = functools.partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
-        self.mesh = Mesh(np.asarray(devices if devices is not None else jax.devices()), ("data",))
+        check_tensor(model_cfg, tensor)
+        self.mesh = engine_mesh(devices if devices is not None else jax.devices(), tensor)
+        self.tensor = tensor
         self.params: Any = None
         self.version: int | None = None
+        platform = self.mesh.devices.flat[0].platform
+        self.attn = attention.resolve(model_cfg.attention, platform, model_cfg.dtype, self.mesh, ("data",), "tensor")
 
         rep = NamedSharding(self.mesh, PS())
-        # Slots are independent rows, so they split over the devices (data parallel
-        # decode) when they divide evenly; weights are replicated.
-        split = slots % self.mesh.size == 0
-        per_slot = NamedSharding(self.mesh, PS("data") if split else PS())
-        per_slot_cache = NamedSharding(self.mesh, PS(None, "data") if split else PS())
+        # Slots are independent rows: they split over the data axis when they divide evenly.
+        data = "data" if slots % self.mesh.shape["data"] == 0 and self.mesh.shape["data"] > 1 else None
+        heads = "tensor" if tensor > 1 else None
+        per_slot = NamedSharding(self.mesh, PS(data))
+        cache_sh = NamedSharding(self.mesh, PS(None, data, None, heads, None))  # [L, S, T, Hkv, hd]
+        prefix_cache = NamedSharding(self.mesh, PS(None, None, None, heads, None))
         self._replicated = rep
         self._state_sharding = DecodeState(
-            cache={"k": per_slot_cache, "v": per_slot_cache}, logits_SxV=per_slot, cols_S=per_slot,
+            cache={"k": cache_sh, "v": cache_sh}, logits_SxV=per_slot, cols_S=per_slot,
             starts_S=per_slot, ordinals_S=per_slot, samples_S=per_slot, active_S=per_slot)
-        st = self._state_sharding
+        self._prefix_sharding = Prefix(cache={"k": prefix_cache, "v": prefix_cache}, logits_V=rep, start=rep,
+                                       next_col=rep)
+        st, pre = self._state_sharding, self._prefix_sharding
+        self._publishers: dict = {}
+        # Params keep the shardings `load_params` gave them (None: taken from the arguments).
         self._init = jax.jit(self._init_impl, out_shardings=st)
-        self._prefill = jax.jit(self._prefill_impl, in_shardings=rep, out_shardings=rep)
-        self._insert = jax.jit(self._insert_impl, in_shardings=(rep, st, rep, rep, rep), out_shardings=st,
+        self._prefill = jax.jit(self._prefill_impl, in_shardings=(None, rep, rep, rep, rep), out_shardings=pre)
+        self._insert = jax.jit(self._insert_impl, in_shardings=(pre, st, rep, rep, rep), out_shardings=st,
                                donate_argnums=1)
-        def compiled(body, token_spec, token_sharding):
-            if split:
-                # Per-device bodies over local slots: without this the partitioner all-gathers
-                # the logits for top-k and the new k/v rows for the cache scatter.
-                specs = jax.tree.map(lambda s: s.spec, st)
-                body = jax.shard_map(body, mesh=self.mesh, in_specs=(PS(), specs),
-                                     out_specs=(specs, token_spec, token_spec))
-            return jax.jit(body, in_shardings=(rep, st), out_shardings=(st, token_sharding, token_sharding),
-                           donate_argnums=1)
-
-        self._generate = compiled(self._generate_impl, PS("data"), per_slot)
-        per_step_slot = NamedSharding(self.mesh, PS(None, "data") if split else PS())
-        self._generate_steps = compiled(self._generate_steps_impl, PS(None, "data"), per_step_slot)
+        per_step_slot = NamedSharding(self.mesh, PS(None, data))
+        self._generate = jax.jit(self._generate_impl, in_shardings=(None, st), out_shardings=(st, per_slot, per_slot),
+                                 donate_argnums=1)
+        self._generate_steps = jax.jit(self._generate_steps_impl, in_shardings=(None, st),
+                                       out_shardings=(st, per_step_slot, per_step_slot), donate_argnums=1)
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
     # ---- weights -------------------------------------------------------------------
+    def param_dtype(self, v) -> Any:
+        """The engine's dtype of a parameter: the compute dtype, except norm scales, which the
+        model reads in fp32 (so the engine computes exactly what the learner computes)."""
+        x = v.get_value() if _is_var(v) else v
+        if not jnp.issubdtype(x.dtype, jnp.floating) or _is_norm_scale(getattr(v, "axes", None)):
+            return x.dtype
+        return self.dtype
+
+    def param_shardings(self, params):
+        """NamedShardings on the engine mesh from the parameters' logical axes (`sharding.RULES`)."""
+        return sharding.param_shardings(params, self.mesh)
+
+    def _cast(self, params, copy: bool):
+        def one(v):
+            x, dt = v.get_value(), self.param_dtype(v)
+            return v.replace(x.astype(dt) if x.dtype != dt else jnp.copy(x) if copy else x)
+        return jax.tree.map(one, params, is_leaf=_is_var)
+
     def load_params(self, params):
-        """Params replicated on the engine's devices. Arrays already laid out that way are
-        returned as they are (no copy), so a donating learner must publish a copy."""
-        return jax.device_put(params, self._replicated)
+        """Params in the engine's compute dtype and sharding, in fresh buffers (a donating
+        learner may pass its own). Cast once here, not per token. On the engine's own devices
+        one program casts and reshards from any layout (no gathered replica, no second copy);
+        from other devices they are cast where they are, then transferred."""
+        sh = self.param_shardings(params)
+        leaves = jax.tree.leaves(params)
+        engine_devs = set(self.mesh.devices.flat)
+        srcs = {d for x in leaves if isinstance(x, jax.Array) and x.committed for d in x.sharding.device_set}
+        key = jax.tree.structure(params)
+        if not srcs or srcs == engine_devs:
+            if key not in self._publishers:
+                self._publishers[key] = jax.jit(functools.partial(self._cast, copy=True), out_shardings=sh)
+            return self._publishers[key](params)
+        if any(x.dtype != self.param_dtype(v) for v, x in
+               zip(jax.tree.leaves(params, is_leaf=_is_var), leaves)):
+            params = jax.jit(functools.partial(self._cast, copy=False))(params)
+        return jax.device_put(params, sh)
+
+    def _placed(self, params) -> bool:
+        """Already in the engine's dtypes and shardings (e.g. from `load_params`)."""
+        sh = jax.tree.leaves(self.param_shardings(params))
+        for v, x, s in zip(jax.tree.leaves(params, is_leaf=_is_var), jax.tree.leaves(params), sh):
+            if not isinstance(x, jax.Array) or x.dtype != self.param_dtype(v) or not x.sharding.is_equivalent_to(
+                    s, x.ndim):
+                return False
+        return True
 
     def update_params(self, params, version: int) -> None:
         """Swaps in new weights; same shapes, dtypes and placement, so nothing recompiles."""
@@ -150,9 +221,7 @@ class Engine:
             for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)):
                 if a.shape != b.shape:
                     raise ValueError(f"update_params: shape {b.shape} != loaded {a.shape}")
-            params = jax.tree.map(lambda a, b: b if b.dtype == a.dtype else b.astype(a.dtype),
-                                  self.params, params)
-        self.params = self.load_params(params)
+        self.params = params if self._placed(params) else self.load_params(params)
         self.version = version
 
     # ---- API -----------------------------------------------------------------------
@@ -219,7 +288,8 @@ class Engine:
 
     def _prefill_impl(self, params, tokens_1xT, positions_1xT, valid_1xT, next_col) -> Prefix:
         model = nnx.merge(self.graphdef, params)
-        logits_1xV, cache = model.prefill_at(tokens_1xT, positions_1xT, valid_1xT, (next_col - 1)[None])
+        logits_1xV, cache = model.prefill_at(tokens_1xT, positions_1xT, valid_1xT, (next_col - 1)[None],
+                                             attn=self.attn)
         start = jnp.argmax(valid_1xT[0]).astype(jnp.int32)
         return Prefix(cache=cache, logits_V=logits_1xV[0], start=start, next_col=next_col)
 

@@ -65,3 +65,61 @@ def test_ids_outside_the_tokenizer_are_never_sampled_and_learner_agrees():
             assert np.isfinite(ent).all()
             worst = max(worst, float(np.abs(logp - c.logprobs).max()))
     assert worst <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    graphdef, params = nnx.split(Transformer(CFG, V, rngs=nnx.Rngs(0)))
+    return graphdef, jax.tree.map(lambda x: x * 3.0, params)
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_tensor_parallel_generates_what_one_device_does(model, tensor):
+    graphdef, params = model
+    ps = prompts()
+    one = make_engine(CFG, graphdef)
+    tp = make_engine(CFG, graphdef, devices=jax.devices(), tensor=tensor)
+    assert dict(tp.mesh.shape) == {"data": 4 // tensor, "tensor": tensor}
+    p = tp.load_params(params)
+    assert p["layers"]["attn"]["q"]["kernel"].sharding.spec[-1] == "tensor"
+    assert tp.init_decode_state().cache["k"].sharding.spec[3] == "tensor"
+    a = generate_all(one, one.load_params(params), ps, samples=2, eos_id=EOS)
+    b = generate_all(tp, p, ps, samples=2, eos_id=EOS)
+    worst = 0.0
+    for prompt, ra, rb in zip(ps, a, b):
+        for ca, cb in zip(ra, rb):
+            np.testing.assert_array_equal(ca.tokens, cb.tokens)
+            ref, _ = learner_logprobs(graphdef, params, prompt, cb.tokens, 0.0)
+            worst = max(worst, float(np.abs(ref - cb.logprobs).max()))
+    assert worst <= 1e-4
+    assert tp.compile_counts()["generate"] == 1
+
+
+def test_tensor_must_divide_devices_and_heads(model):
+    from async_rl.config import ConfigError
+    graphdef, _ = model
+    with pytest.raises(ConfigError, match="engine.tensor=3"):
+        make_engine(CFG, graphdef, devices=jax.devices(), tensor=3)
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    with pytest.raises(ConfigError, match="model.n_kv_heads=2"):
+        make_engine(cfg, graphdef, devices=jax.devices(), tensor=4)
+
+
+def test_weights_and_cache_in_the_compute_dtype():
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=64, dtype="bfloat16",
+                      param_dtype="float32")
+    graphdef, params = nnx.split(Transformer(cfg, V, rngs=nnx.Rngs(0)))
+    eng = make_engine(cfg, graphdef)
+    p = eng.load_params(params)
+    assert p["layers"]["mlp"]["up"]["kernel"].dtype == jnp.bfloat16
+    assert p["embed"]["embedding"].dtype == jnp.bfloat16
+    assert p["final_norm"]["scale"].dtype == jnp.float32  # read in fp32 by the model
+    assert eng.init_decode_state().cache["k"].dtype == jnp.bfloat16
+    # fresh buffers: a donating learner may free what it passed in
+    assert p["embed"]["embedding"].unsafe_buffer_pointer() != params["embed"]["embedding"].unsafe_buffer_pointer()
+    eng.update_params(p, version=1)
+    assert eng.params is p  # already placed: no copy on swap
+    out = generate_all(eng, p, prompts(3), eos_id=None)
+    ref = generate_all(eng, eng.load_params(params), prompts(3), eos_id=None)
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(a[0].tokens, b[0].tokens)
