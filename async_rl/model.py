@@ -348,18 +348,22 @@ class Transformer(nnx.Module):
         x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
         return self._logits(x), cache
 
-    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None):
-        """`prefill`, but logits only at one column per row (skips a [T, V] projection)."""
-        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
+    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None, col_offset=0):
+        """`prefill`, but logits only at one column per row (skips a [T, V] projection).
+        `col_offset`: the absolute column of column 0 (a row narrower than P + N)."""
+        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True,
+                               col_offset=col_offset)
         x_BxD = jnp.take_along_axis(x, cols_B[:, None, None], axis=1)[:, 0]
         return self._logits(x_BxD), cache
 
-    def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache):
+    def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache, window: int | None = None):
         """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B].
+        `window` (static): only the first `window` columns are read, so attention costs what
+        the rows hold, not the cache's width; every `cols_B` of a live row must be below it.
 
         Returns (logits [B, V] fp32, cache with this token's k/v written at cols_B)."""
         b = tokens_B.shape[0]
-        t = cache["k"].shape[2]
+        t = cache["k"].shape[2] if window is None else min(window, cache["k"].shape[2])
         rows = jnp.arange(b)
         c = jnp.arange(t)
         mask_Bx1xT = ((c[None] >= starts_B[:, None]) & (c[None] <= cols_B[:, None]))[:, None, :]
@@ -371,7 +375,7 @@ class Transformer(nnx.Module):
             # The cache rides in the carry and is written in place, one layer's rows at a time.
             ck = ck.at[i, rows, cols_B].set(k[:, 0].astype(ck.dtype))
             cv = cv.at[i, rows, cols_B].set(v[:, 0].astype(cv.dtype))
-            keys, values = ck[i].astype(k.dtype), cv[i].astype(v.dtype)
+            keys, values = ck[i, :, :t].astype(k.dtype), cv[i, :, :t].astype(v.dtype)
             x = block.finish(x, attention.masked(q, keys, values, mask_Bx1xT))
             return (x, ck, cv), None
 

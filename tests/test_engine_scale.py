@@ -123,3 +123,63 @@ def test_weights_and_cache_in_the_compute_dtype():
     ref = generate_all(eng, eng.load_params(params), prompts(3), eos_id=None)
     for a, b in zip(out, ref):
         np.testing.assert_array_equal(a[0].tokens, b[0].tokens)
+
+
+def long_engine(graphdef, **kw):
+    return Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=40, temperature=1.0,
+                  top_k=0, top_p=1.0, seed=7, devices=kw.pop("devices", jax.devices()[:1]), **kw)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_decode_windows_match_full_width(model, steps):
+    graphdef, params = model
+    win = long_engine(graphdef, steps_per_call=steps)
+    full = long_engine(graphdef, steps_per_call=steps, windows=False)
+    assert win.windows == (16, 32, 48) and full.windows == (48,)
+    ps = prompts(6, seed=1)
+    outs = []
+    for eng in (win, full):
+        p = eng.load_params(params)
+        st = eng.init_decode_state()
+        for slot in range(4):
+            st = eng.insert(eng.prefill(p, ps[slot]), st, slot, ordinal=slot, sample=0)
+        toks, lps, seen = [], [], []
+        for i in range(40 // steps):
+            if i == 5:  # a slot freed and refilled: its window restarts
+                st = eng.free(st, 1)
+                st = eng.insert(eng.prefill(p, ps[5]), st, 1, ordinal=5, sample=0)
+            seen.append(eng.decode_window(st, steps))
+            st, t, l = eng.generate_steps(p, st)
+            toks.append(t)
+            lps.append(l)
+        outs.append((np.concatenate(toks), np.concatenate(lps), seen))
+    (ta, la, seen), (tb, lb, _) = outs
+    np.testing.assert_array_equal(ta, tb)
+    np.testing.assert_allclose(la, lb, atol=1e-5, rtol=0)
+    assert seen[0] == 16 and seen[-1] == 48 and set(seen) == {16, 32, 48}
+    assert win.compile_counts()["generate"] == 3
+
+
+def test_batched_prefill_matches_one_at_a_time(model):
+    graphdef, params = model
+    eng = make_engine(CFG, graphdef, temperature=1.0, devices=jax.devices())
+    p = eng.load_params(params)
+    ps = prompts(4, seed=2)
+    seqs = [(ps[0], None), (ps[1], np.array([5, 6, 7], np.int32)), (ps[2], None), (ps[3], np.array([9], np.int32))]
+    results = []
+    for batched in (False, True):
+        st = eng.init_decode_state()
+        many = eng.prefill_many(p, seqs) if batched else None
+        for slot, (prompt, done) in enumerate(seqs):
+            pre = many if batched else eng.prefill(p, prompt, done)
+            st = eng.insert(pre, st, slot, ordinal=slot, sample=0, row=slot if batched else 0)
+        toks, lps = [], []
+        for _ in range(N - 3):
+            st, t, l = eng.generate(p, st)
+            toks.append(t)
+            lps.append(l)
+        results.append((np.stack(toks), np.stack(lps)))
+    (ta, la), (tb, lb) = results
+    np.testing.assert_array_equal(ta, tb)
+    np.testing.assert_allclose(la, lb, atol=1e-5, rtol=0)
+    assert eng.prefill_many(p, seqs[:3]).cache["k"].shape[1:3] == (4, P + N - 1)  # bucketed rows, columns
