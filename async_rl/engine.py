@@ -149,9 +149,11 @@ def _is_norm_scale(axes) -> bool:
 class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
-                 steps_per_call: int = 1, tensor: int = 1, windows: bool = True):
+                 steps_per_call: int = 1, tensor: int = 1, windows: bool = True, unroll: bool | int = 1):
         """`windows`: decode reads only a bucket of the cache's columns (`decode_window`);
-        False reads all P + N (the choice then never depends on other slots' lengths)."""
+        False reads all P + N (the choice then never depends on other slots' lengths).
+        `unroll`: layers per decode scan iteration (True: all; `plan` counts costs so)."""
+        self.unroll = unroll
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
@@ -412,7 +414,7 @@ class Engine:
         # An inactive (or finished and not yet freed) slot must not write out of bounds.
         cols_S = jnp.minimum(st.cols_S, self.width - 1)
         logits_SxV, cache = model.decode(tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache,
-                                         window=window)
+                                         window=window, unroll=self.unroll)
         new = dataclasses.replace(st, cache=cache, logits_SxV=logits_SxV,
                                   cols_S=st.cols_S + st.active_S.astype(jnp.int32))
         return new, tokens_S, logprobs_S

@@ -356,7 +356,8 @@ class Transformer(nnx.Module):
         x_BxD = jnp.take_along_axis(x, cols_B[:, None, None], axis=1)[:, 0]
         return self._logits(x_BxD), cache
 
-    def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache, window: int | None = None):
+    def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache, window: int | None = None,
+               unroll: bool | int = 1):
         """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B].
         `window` (static): only the first `window` columns are read, so attention costs what
         the rows hold, not the cache's width; every `cols_B` of a live row must be below it.
@@ -379,5 +380,5 @@ class Transformer(nnx.Module):
             x = block.finish(x, attention.masked(q, keys, values, mask_Bx1xT))
             return (x, ck, cv), None
 
-        (x, ck, cv), _ = self._scan(body, (x, cache["k"], cache["v"]), jnp.arange(self.cfg.n_layers))
+        (x, ck, cv), _ = self._scan(body, (x, cache["k"], cache["v"]), jnp.arange(self.cfg.n_layers), unroll=unroll)
         return self._logits(x[:, 0]), {"k": ck, "v": cv}
