@@ -1,10 +1,12 @@
 """Generation engine with JetStream's Engine API (prefill / insert / generate over KV slots).
 
-Owns: compiled prefill, insert, generate and free over a fixed number of KV-cache slots;
-token sampling (temperature, top-k, top-p) with per-token keys derived from
-(seed, ordinal, sample, completion index); fp32 behaviour logprobs; swapping weights
-without recompiling; a small continuous-batching driver (`generate_all`) and a cache-free
-reference decoder (`naive_generate`). Does not own: when a sample is finished (the
+Owns: compiled prefill (batched, at bucket widths), insert, generate (per decode window)
+and free over a fixed number of KV-cache slots; the engine mesh (data x tensor) and the
+weights' engine layout (compute dtype, split by logical axes); token sampling
+(temperature, top-k, top-p) with per-token keys derived from (seed, ordinal, sample,
+completion index); fp32 behaviour logprobs; swapping weights without recompiling; a small
+continuous-batching driver (`generate_all`) and a cache-free reference decoder
+(`naive_generate`). Does not own: when a sample is finished (the
 caller decides: EOS or N tokens), rewards, the ledger, policy-version bookkeeping beyond
 remembering the version of the loaded weights, tokenisation.
 
@@ -39,7 +41,7 @@ from async_rl.model import KVCache, init_cache, layout
 class Prefix:
     """Prefilled sequences (B rows), each inserted into a slot on its own. The cache holds
     engine columns [col0, col0 + W) only: a prompt bucket and a completion bucket, not P + N."""
-    cache: KVCache  # k/v [n_layers, B, W, Hkv, hd]
+    cache: KVCache  # k/v [n_layers, B, Hkv, W, hd]
     logits_BxV: jax.Array  # fp32 next-token logits per row, taken at its last valid column
     starts_B: jax.Array  # int32: first valid column per row (P - prompt length)
     next_cols_B: jax.Array  # int32: column each row's next sampled token goes to
@@ -49,7 +51,7 @@ class Prefix:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    cache: KVCache  # k/v [n_layers, S, T, Hkv, hd]
+    cache: KVCache  # k/v [n_layers, S, Hkv, T, hd]
     logits_SxV: jax.Array  # fp32 next-token logits per slot
     cols_S: jax.Array  # int32: column of the token the next `generate` samples
     starts_S: jax.Array  # int32: first valid column
@@ -178,8 +180,8 @@ class Engine:
         data = "data" if slots % self.mesh.shape["data"] == 0 and self.mesh.shape["data"] > 1 else None
         heads = "tensor" if tensor > 1 else None
         per_slot = NamedSharding(self.mesh, PS(data))
-        cache_sh = NamedSharding(self.mesh, PS(None, data, None, heads, None))  # [L, S, T, Hkv, hd]
-        prefix_cache = NamedSharding(self.mesh, PS(None, None, None, heads, None))
+        cache_sh = NamedSharding(self.mesh, PS(None, data, heads, None, None))  # [L, S, Hkv, T, hd]
+        prefix_cache = NamedSharding(self.mesh, PS(None, None, heads, None, None))
         self._replicated = rep
         self._state_sharding = DecodeState(
             cache={"k": cache_sh, "v": cache_sh}, logits_SxV=per_slot, cols_S=per_slot,
@@ -396,8 +398,8 @@ class Engine:
 
     def _insert_impl(self, prefix: Prefix, st: DecodeState, slot, row, ordinal, sample) -> DecodeState:
         def put(c, p):
-            r = jax.lax.dynamic_index_in_dim(p, row, axis=1).astype(c.dtype)  # [L, 1, W, Hkv, hd]
-            return jax.lax.dynamic_update_slice(c, r, (0, slot, prefix.col0, 0, 0))
+            r = jax.lax.dynamic_index_in_dim(p, row, axis=1).astype(c.dtype)  # [L, 1, Hkv, W, hd]
+            return jax.lax.dynamic_update_slice(c, r, (0, slot, 0, prefix.col0, 0))
         return DecodeState(cache=jax.tree.map(put, st.cache, prefix.cache),
                            logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
                            cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),

@@ -38,14 +38,16 @@ REMAT = ("none", "block", "dots")
 
 
 class KVCache(TypedDict):
-    k: jax.Array  # [n_layers, B, T, Hkv, hd], keys after RoPE
-    v: jax.Array  # [n_layers, B, T, Hkv, hd]
+    # kv heads before columns: a decode step's attention reads each head's [T, hd] block
+    # as it lies (columns first made the TPU compiler copy a transposed layer per step)
+    k: jax.Array  # [n_layers, B, Hkv, T, hd], keys after RoPE
+    v: jax.Array  # [n_layers, B, Hkv, T, hd]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """Zeroed cache; layers stacked first and batch second so a slot is `[:, s]`."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.resolved_head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -320,7 +322,7 @@ class Transformer(nnx.Module):
         def body(x, block, _):
             q, k, v = block.qkv(spec.shard(x), positions_BxT)
             x = block.finish(x, attention.self_attention(q, k, v, valid_BxT, spec), spec.shard)
-            return x, ((k, v) if keep_cache else None)
+            return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None)
 
         x, kv = self._scan(body, x, remat=remat, unroll=unroll, gather=gather)
         return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None)
@@ -358,27 +360,30 @@ class Transformer(nnx.Module):
 
     def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache, window: int | None = None,
                unroll: bool | int = 1):
-        """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B].
-        `window` (static): only the first `window` columns are read, so attention costs what
-        the rows hold, not the cache's width; every `cols_B` of a live row must be below it.
+        """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B).
+        plus its own key. `window` (static): only the first `window` columns are read, so
+        attention costs what the rows hold, not the cache's width; every `cols_B` of a live
+        row must be below it.
+
+        The cache is only read inside the layer loop; every layer's new k/v row is written
+        by one scatter after it (written in the loop, the TPU compiler copied the cache).
 
         Returns (logits [B, V] fp32, cache with this token's k/v written at cols_B)."""
         b = tokens_B.shape[0]
-        t = cache["k"].shape[2] if window is None else min(window, cache["k"].shape[2])
-        rows = jnp.arange(b)
+        t = cache["k"].shape[3] if window is None else min(window, cache["k"].shape[3])
         c = jnp.arange(t)
-        mask_Bx1xT = ((c[None] >= starts_B[:, None]) & (c[None] <= cols_B[:, None]))[:, None, :]
+        mask_BxT = (c[None] >= starts_B[:, None]) & (c[None] < cols_B[:, None])
         x = self._embed(tokens_B[:, None], cols_B[:, None])
 
-        def body(carry, block, i):
-            x, ck, cv = carry
+        def body(x, block, i):
             q, k, v = block.qkv(x, positions_B[:, None])
-            # The cache rides in the carry and is written in place, one layer's rows at a time.
-            ck = ck.at[i, rows, cols_B].set(k[:, 0].astype(ck.dtype))
-            cv = cv.at[i, rows, cols_B].set(v[:, 0].astype(cv.dtype))
-            keys, values = ck[i, :, :t].astype(k.dtype), cv[i, :, :t].astype(v.dtype)
-            x = block.finish(x, attention.masked(q, keys, values, mask_Bx1xT))
-            return (x, ck, cv), None
+            # this layer's [B, Hkv, t, hd], read where it lies
+            keys, values = cache["k"][i, :, :, :t].astype(k.dtype), cache["v"][i, :, :, :t].astype(v.dtype)
+            x = block.finish(x, attention.one_query(q, keys, values, mask_BxT, k[:, 0], v[:, 0]))
+            return x, (k[:, 0], v[:, 0])
 
-        (x, ck, cv), _ = self._scan(body, (x, cache["k"], cache["v"]), jnp.arange(self.cfg.n_layers), unroll=unroll)
-        return self._logits(x[:, 0]), {"k": ck, "v": cv}
+        x, (k_LxBxGxD, v_LxBxGxD) = self._scan(body, x, jnp.arange(self.cfg.n_layers), unroll=unroll)
+        rows = jnp.arange(b)
+        # [:, rows, :, cols] puts the indexed (row) axis first: updates are [B, L, Hkv, hd]
+        write = lambda c, new: c.at[:, rows, :, cols_B].set(new.swapaxes(0, 1).astype(c.dtype))
+        return self._logits(x[:, 0]), {"k": write(cache["k"], k_LxBxGxD), "v": write(cache["v"], v_LxBxGxD)}
