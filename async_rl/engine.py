@@ -262,7 +262,7 @@ class Engine:
         def step(carry, _):
             carry, tok, lp = self._generate_impl(params, carry)
             return carry, (tok, lp)
-        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call)
+        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call, unroll=True)
         return st, tokens_KxS, logprobs_KxS
 
     def _free_impl(self, st: DecodeState, slot) -> DecodeState:
