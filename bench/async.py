@@ -38,6 +38,9 @@ Scenarios (the exact command of every run is printed):
              rollout/generated_tokens and perf/pump_idle_frac) at the default vs that row:
              target >= 2x. (That row's recording overlaps the next call too, which the
              previous pump did not do, so the ratio understates the gain over it.)
+  tiny       the tiny preset as it is, engine and learner on one forced CPU device each, at
+             L=1 with the default engine.steps_per_call and with 1: the same pump
+             tokens/s ratio as in keeps_up, where per-token host work weighs more.
   disjoint_sim  a SIMULATION of disjoint hardware (bench/pipeline_sim.py): engine and
              learner are simulated remote devices whose work is a wait that releases the
              GIL, around the real pump, ledger, sampler and publishing, in one process; they
@@ -84,6 +87,14 @@ SCENARIOS = {
                  "engine on 1 forced CPU device, learner on the other",
         "target": ("learner_idle", 1, 0.10),  # learner device idle <= 10% at lookahead >= 1
         # the previous default, one token per engine call, beside the default at L=1: pump tokens/s ratio
+        "variants": {"steps_per_call=1": (1, ["engine.steps_per_call=1"])},
+    },
+    "tiny": {
+        "devices": 2,
+        "overrides": ["mesh.engine_devices=1"],
+        "about": "the tiny preset as it is (d 64, 2 layers, 64 engine slots); engine on 1 forced CPU device, "
+                 "learner on the other",
+        "target": None,  # only the steps_per_call comparison below
         "variants": {"steps_per_call=1": (1, ["engine.steps_per_call=1"])},
     },
 }
@@ -353,9 +364,11 @@ def verdicts_of(sname: str, scen: dict, results: list) -> list[str]:
     out = []
     get = lambda knob, label="": next((m for c, m, _ in results if c == ("in_order", knob, label) and m), None)
     base = get(0)
-    kind, knob, thr = scen["target"]
+    kind, knob, thr = scen["target"] or (None, 0, 0)
     row = get(knob)
-    if kind == "ratio":
+    if kind is None:
+        pass
+    elif kind == "ratio":
         val = row["steps_per_s"] / base["steps_per_s"] if row and base else None
         ok = val is not None and val >= thr
         out.append(f"{sname}: in_order L={knob} vs L=0 = {common.fmt(val, '.2f')}x; target >= {thr}x: "
