@@ -58,7 +58,7 @@ def parse_args():
                     help="full-recompute steps actually timed (0 = all --new-tokens)")
     ap.add_argument("--samples", type=int, default=8,
                     help="fair baseline: samples per prompt (the GRPO group; the engine prefills a prompt once)")
-    ap.add_argument("--waves", type=int, default=2, help="fair baseline: sequences = waves x --sequences")
+    ap.add_argument("--waves", type=int, default=4, help="fair baseline: sequences = waves x --sequences")
     ap.add_argument("--repeats", type=int, default=2, help="fair baseline: runs of each decoder; the fastest counts")
     ap.add_argument("--steps-per-call", type=int, default=0, help="engine K; 0 = the config default")
     ap.add_argument("--seed", type=int, default=0)
