@@ -112,7 +112,7 @@ def test_pump_wakes_when_published_weights_are_computed():
 
 class ChunkEngine:
     """Decodes K tokens per call, slowly: token = 10 + the version of the weights passed to the
-    call, except a stop token (0) at the (3 + ordinal % 5)-th token of a sample."""
+    call, except a stop token (0) at the (3 + ordinal % 11)-th token of a sample."""
 
     max_concurrent_decodes, steps_per_call = 3, 4
 
@@ -133,12 +133,12 @@ class ChunkEngine:
         return state
 
     def generate_steps_async(self, params, state):
-        time.sleep(0.003)
+        time.sleep(0.01)
         toks = np.zeros((self.steps_per_call, self.max_concurrent_decodes), np.int32)
         for slot, row in self.rows.items():
             for k in range(self.steps_per_call):
                 row[1] += 1
-                toks[k, slot] = 0 if row[1] == 3 + row[0] % 5 else 10 + params.version
+                toks[k, slot] = 0 if row[1] == 3 + row[0] % 11 else 10 + params.version
         return state, toks, -toks.astype(np.float32)
 
 
@@ -149,9 +149,9 @@ def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
     from async_rl.config import load
     from async_rl.sampler import make_sampler
 
-    n, steps = 6, 8
+    n, steps = 12, 10
     cfg = load("configs/tiny.yaml", ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-                                     f"rollout.max_new_tokens={n}", "sampler.max_lookahead=2"])
+                                     f"rollout.max_new_tokens={n}", "sampler.max_lookahead=2", "model.learned_positions=24"])
     ledger = Ledger(2)
     sampler = make_sampler(cfg, ledger)
     recs = ({"prompt_id": i, "epoch": 0, "prompt": "1=", "answer": "1", "prompt_tokens": np.ones(2, np.int32)}
@@ -177,7 +177,7 @@ def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
     straddling = 0
     for g in trained:
         for s in g.samples:
-            stop_at = 3 + g.ordinal % 5
+            stop_at = 3 + g.ordinal % 11
             assert len(s.tokens) == min(stop_at, n) and (s.tokens[-1] == 0) == (stop_at <= n)
             assert len(s.versions) == len(s.logprobs) == len(s.tokens)
             for t, v in zip(s.tokens, s.versions):
