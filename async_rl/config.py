@@ -152,7 +152,7 @@ class EngineConfig:
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # nucleus mass kept; 1 = off
-    steps_per_call: int = 1  # decode steps per engine call (one dispatch and host sync per K tokens)
+    steps_per_call: int = 8  # decode steps per engine call (one dispatch and host sync per K tokens)
 
     def __post_init__(self):
         _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes",

@@ -339,14 +339,19 @@ class Engine:
         need = int(cols[active].max()) + steps if active.any() else 1
         return bucket(min(need, self.width), self.windows)
 
-    def _decode(self, params, decode_state: DecodeState, steps: int):
+    def _dispatch(self, params, decode_state: DecodeState, steps: int):
+        """Dispatches `steps` decode steps (asynchronously); tokens and logprobs stay on device."""
         host = _host(decode_state)
         fn = self._decoder(self.decode_window(decode_state, steps), steps > 1)
         state, tokens, logprobs = fn(params, decode_state)
-        tokens, logprobs = jax.device_get((tokens, logprobs))
         if host is not None:
             host[0][host[1]] += steps
             state = _track(state, *host)
+        return state, tokens, logprobs
+
+    def _decode(self, params, decode_state: DecodeState, steps: int):
+        state, tokens, logprobs = self._dispatch(params, decode_state, steps)
+        tokens, logprobs = jax.device_get((tokens, logprobs))
         return state, np.asarray(tokens), np.asarray(logprobs)
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
@@ -363,6 +368,24 @@ class Engine:
             state, tokens_S, logprobs_S = self.generate(params, decode_state)
             return state, tokens_S[None], logprobs_S[None]
         return self._decode(params, decode_state, self.steps_per_call)
+
+    def generate_steps_async(self, params, decode_state: DecodeState) -> tuple[DecodeState, jax.Array, jax.Array]:
+        """`generate_steps` without waiting: (state, tokens_KxS, logprobs_KxS) as device arrays
+        still being computed (dispatch is asynchronous), their copy to the host already
+        started. The caller records the previous chunk meanwhile and fetches these later
+        (`np.asarray`), so the host's per-token work overlaps the device's next K steps."""
+        k = self.steps_per_call
+        state, tokens_KxS, logprobs_KxS = self._dispatch(params, decode_state, k)
+        if k == 1:
+            tokens_KxS, logprobs_KxS = tokens_KxS[None], logprobs_KxS[None]
+        for x in (tokens_KxS, logprobs_KxS):
+            x.copy_to_host_async()
+        return state, tokens_KxS, logprobs_KxS
+
+    def active_slots(self, decode_state: DecodeState) -> np.ndarray | None:
+        """The slots the host mirror holds active (bool [S]), or None without a mirror."""
+        host = _host(decode_state)
+        return None if host is None else host[1]
 
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
         host = _host(decode_state)
@@ -425,48 +448,99 @@ class Engine:
         def step(carry, _):
             carry, tok, lp = self._generate_impl(params, carry, window)
             return carry, (tok, lp)
-        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call)
+        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call, unroll=True)
         return st, tokens_KxS, logprobs_KxS
 
     def _free_impl(self, st: DecodeState, slot) -> DecodeState:
         return dataclasses.replace(st, active_S=st.active_S.at[slot].set(False))
 
 
+def chunk_ends(tokens_KxS: np.ndarray, room_S: np.ndarray, stops) -> tuple[np.ndarray, np.ndarray]:
+    """Where each slot's sample ends within one chunk of K tokens: (take_S, ended_S).
+
+    `room_S` is how many more tokens each sample may have (its cap minus what it holds);
+    it ends at a stop token (kept) or when the room is used up. take_S counts the tokens
+    that belong to it (K when it runs on); what follows an end is garbage."""
+    k = tokens_KxS.shape[0]
+    end_KxS = np.arange(1, k + 1)[:, None] >= np.asarray(room_S)[None, :]
+    if stops:
+        end_KxS |= np.isin(tokens_KxS, np.fromiter(stops, np.int64))
+    ended_S = end_KxS.any(axis=0)
+    return np.where(ended_S, end_KxS.argmax(axis=0) + 1, k), ended_S
+
+
 def generate_all(engine: Engine, params, prompts: list[np.ndarray], *, samples: int = 1,
-                 eos_id: int | tuple[int, ...] | None, ordinals: list[int] | None = None) -> list[list[Completion]]:
+                 eos_id: int | tuple[int, ...] | None, ordinals: list[int] | None = None,
+                 max_tokens: list[list[int]] | None = None) -> list[list[Completion]]:
     """Continuous batching: fill free slots, step, retire finished samples, refill.
 
     Returns completions indexed [prompt][sample]. A sample ends at `eos_id` (one id or a tuple
-    of stop ids; kept as its last token) or after `engine.max_new_tokens` tokens; `eos_id=None`
-    never stops early."""
+    of stop ids; kept as its last token) or after `engine.max_new_tokens` tokens (or
+    `max_tokens[i][s]` for sample s of prompt i, when given); `eos_id=None` never stops early.
+
+    `engine.steps_per_call` tokens per call; after each call only the ends are found on the
+    host (vectorised) before the freed slots are refilled and the next call dispatched, and
+    the tokens are appended to their samples while the device computes it."""
     stops = frozenset(() if eos_id is None else (eos_id,) if isinstance(eos_id, int) else eos_id)
     ordinals = list(range(len(prompts))) if ordinals is None else list(ordinals)
+    n_max = engine.max_new_tokens
     waiting = [(i, s) for i in range(len(prompts)) for s in range(samples)]
     waiting.reverse()
     out: list[list[Completion | None]] = [[None] * samples for _ in prompts]
-    running: dict[int, tuple[int, int, list[int], list[float]]] = {}
-    free_slots = list(range(engine.max_concurrent_decodes))[::-1]
+    running: list[_Row | None] = [None] * engine.max_concurrent_decodes
     state = engine.init_decode_state()
     prefix_of: tuple[int, Prefix] | None = None  # samples of one prompt share its prefill
-    while waiting or running:
-        while waiting and free_slots:
-            i, s = waiting.pop()
-            if prefix_of is None or prefix_of[0] != i:
-                prefix_of = (i, engine.prefill(params, prompts[i]))
-            slot = free_slots.pop()
-            state = engine.insert(prefix_of[1], state, slot, ordinal=ordinals[i], sample=s)
-            running[slot] = (i, s, [], [])
-        state, tokens_S, logprobs_S = engine.generate(params, state)
-        for slot in sorted(running):
-            i, s, toks, lps = running[slot]
-            toks.append(int(tokens_S[slot]))
-            lps.append(float(logprobs_S[slot]))
-            if toks[-1] in stops or len(toks) == engine.max_new_tokens:
-                out[i][s] = Completion(np.asarray(toks, np.int32), np.asarray(lps, np.float32))
-                del running[slot]
-                state = engine.free(state, slot)
-                free_slots.append(slot)
+    fetched = None  # the last chunk on the host, its ends found, its tokens not yet appended
+    while waiting or any(running) or fetched is not None:
+        for slot, row in enumerate(running):
+            if row is None and waiting:
+                i, s = waiting.pop()
+                if prefix_of is None or prefix_of[0] != i:
+                    prefix_of = (i, engine.prefill(params, prompts[i]))
+                state = engine.insert(prefix_of[1], state, slot, ordinal=ordinals[i], sample=s)
+                limit = n_max if max_tokens is None else max(1, min(int(max_tokens[i][s]), n_max))
+                running[slot] = _Row(i, s, limit)
+        chunk = None
+        if any(running):
+            state, tokens_KxS, logprobs_KxS = engine.generate_steps_async(params, state)
+            chunk = (tokens_KxS, logprobs_KxS, list(running))
+        if fetched is not None:  # while the device computes the chunk just dispatched
+            _append(*fetched, out)
+        fetched = None
+        if chunk is not None:
+            tokens_KxS, logprobs_KxS, rows = chunk
+            tokens_KxS, logprobs_KxS = np.asarray(tokens_KxS), np.asarray(logprobs_KxS)
+            room_S = np.asarray([0 if r is None else r.limit - r.n for r in rows])
+            take_S, ended_S = chunk_ends(tokens_KxS, room_S, stops)
+            for slot, r in enumerate(rows):
+                if r is not None:
+                    r.n += int(take_S[slot])
+                    if ended_S[slot]:
+                        running[slot] = None
+                        if not waiting:  # an idle slot stops advancing (nothing will refill it)
+                            state = engine.free(state, slot)
+            fetched = (tokens_KxS, logprobs_KxS, rows, take_S, ended_S)
     return out  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt: int
+    sample: int
+    limit: int  # tokens after which the sample ends
+    n: int = 0  # tokens it holds, counting those found but not appended yet
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+
+
+def _append(tokens_KxS, logprobs_KxS, rows, take_S, ended_S, out) -> None:
+    for slot, r in enumerate(rows):
+        if r is None:
+            continue
+        r.tokens += tokens_KxS[:take_S[slot], slot].tolist()
+        r.logprobs += logprobs_KxS[:take_S[slot], slot].tolist()
+        if ended_S[slot]:
+            out[r.prompt][r.sample] = Completion(np.asarray(r.tokens, np.int32), np.asarray(r.logprobs, np.float32))
 
 
 @functools.lru_cache(maxsize=16)

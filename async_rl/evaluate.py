@@ -73,7 +73,8 @@ class Evaluator:
                              max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                              temperature=0.0 if greedy else cfg.engine.temperature,
                              top_k=0 if greedy else cfg.engine.top_k, top_p=1.0 if greedy else cfg.engine.top_p,
-                             seed=cfg.run.seed, devices=devices, tensor=cfg.engine.tensor)
+                             seed=cfg.run.seed, devices=devices, tensor=cfg.engine.tensor,
+                             steps_per_call=cfg.engine.steps_per_call)
         self._stops = tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
 
     def describe(self) -> str:
