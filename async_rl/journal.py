@@ -195,6 +195,9 @@ class Journal:
         """None (use it), "wait" (its weights are not published yet) or (reason, why)."""
         if e.prompt_crc != prompt_crc(g.prompt_tokens):
             return "mismatch", "prompt tokens differ"
+        if not (np.isfinite(e.logprobs).all() and np.isfinite(e.reward)):
+            # made by weights that had diverged (a session stopped on a non-finite loss)
+            return "non_finite", "non-finite behaviour logprobs or reward"
         same = e.layout == self.layout
         if (same or self.deterministic) and e.ordinal != g.ordinal:
             return "mismatch", f"stream ordinal {e.ordinal}, the group has {g.ordinal}"
