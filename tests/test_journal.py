@@ -93,6 +93,24 @@ def test_samples_outside_the_samplers_bound_are_not_used_and_logged(tmp_path):
     c.j.close()
 
 
+def test_samples_of_diverged_weights_are_never_used(tmp_path):
+    a = Session(tmp_path)
+    g = a.draw(3, ordinal=2)
+    a.finish(g, 0, reward=float("nan"))
+    g.samples[1].logprobs.extend([float("nan")] * 4)  # what NaN weights give the engine
+    g.samples[1].tokens.extend([10] * 4)
+    g.samples[1].versions.extend([0] * 4)
+    with a.ledger.lock:
+        a.j.append([a.j.encode(g, g.samples[1], 0.5)])
+    a.j.flush()
+    a.j.close()
+    b = Session(tmp_path)
+    g2 = b.draw(3, ordinal=2, latest=1)
+    assert not g2.samples[0].done and not g2.samples[1].done
+    assert sorted((d["reason"], d["sample"]) for d in b.drops) == [("non_finite", 0), ("non_finite", 1)]
+    b.j.close()
+
+
 def test_under_fifo_a_waiting_sample_is_generated_when_the_pump_would_idle(tmp_path):
     fifo = ("sampler.name=fifo", "sampler.max_staleness=2")
     a = Session(tmp_path, *fifo)
