@@ -148,15 +148,17 @@ class ModelConfig:
 class EngineConfig:
     max_concurrent_decodes: int = 64  # KV-cache slots decoded together (continuous batching)
     max_prompt_len: int = 16  # prompt tokens; longer prompts are a data error
+    tensor: int = 1  # engine devices per tensor-parallel group (weights and KV heads split over it)
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # nucleus mass kept; 1 = off
-    steps_per_call: int = 1  # decode steps per engine call (one dispatch and host sync per K tokens)
+    steps_per_call: int = 8  # decode steps per engine call (one dispatch and host sync per K tokens)
 
     def __post_init__(self):
         _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes",
                self.max_concurrent_decodes, "must be > 0")
         _check(self.max_prompt_len > 0, "engine.max_prompt_len", self.max_prompt_len, "must be > 0")
+        _check(self.tensor >= 1, "engine.tensor", self.tensor, "must be >= 1")
         _check(self.temperature >= 0, "engine.temperature", self.temperature, "must be >= 0")
         _check(self.top_k >= 0, "engine.top_k", self.top_k, "must be >= 0")
         _check(0 < self.top_p <= 1, "engine.top_p", self.top_p, "must be in (0, 1]")

@@ -1,10 +1,12 @@
 """Generation engine with JetStream's Engine API (prefill / insert / generate over KV slots).
 
-Owns: compiled prefill, insert, generate and free over a fixed number of KV-cache slots;
-token sampling (temperature, top-k, top-p) with per-token keys derived from
-(seed, ordinal, sample, completion index); fp32 behaviour logprobs; swapping weights
-without recompiling; a small continuous-batching driver (`generate_all`) and a cache-free
-reference decoder (`naive_generate`). Does not own: when a sample is finished (the
+Owns: compiled prefill (batched, at bucket widths), insert, generate (per decode window)
+and free over a fixed number of KV-cache slots; the engine mesh (data x tensor) and the
+weights' engine layout (compute dtype, split by logical axes); token sampling
+(temperature, top-k, top-p) with per-token keys derived from (seed, ordinal, sample,
+completion index); fp32 behaviour logprobs; swapping weights without recompiling; a small
+continuous-batching driver (`generate_all`) and a cache-free reference decoder
+(`naive_generate`). Does not own: when a sample is finished (the
 caller decides: EOS or N tokens), rewards, the ledger, policy-version bookkeeping beyond
 remembering the version of the loaded weights, tokenisation.
 
@@ -29,24 +31,27 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from async_rl.config import ModelConfig
+from async_rl import attention, sharding
+from async_rl.config import ConfigError, ModelConfig
 from async_rl.model import KVCache, init_cache, layout
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Prefix:
-    """One prefilled sequence, ready to be inserted into a slot."""
-    cache: KVCache  # k/v [n_layers, 1, T, Hkv, hd]
-    logits_V: jax.Array  # fp32 next-token logits, taken at the last valid column
-    start: jax.Array  # int32 scalar: first valid column (P - prompt length)
-    next_col: jax.Array  # int32 scalar: column the next sampled token goes to
+    """Prefilled sequences (B rows), each inserted into a slot on its own. The cache holds
+    engine columns [col0, col0 + W) only: a prompt bucket and a completion bucket, not P + N."""
+    cache: KVCache  # k/v [n_layers, B, Hkv, W, hd]
+    logits_BxV: jax.Array  # fp32 next-token logits per row, taken at its last valid column
+    starts_B: jax.Array  # int32: first valid column per row (P - prompt length)
+    next_cols_B: jax.Array  # int32: column each row's next sampled token goes to
+    col0: jax.Array  # int32 scalar: engine column of the cache's column 0
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    cache: KVCache  # k/v [n_layers, S, T, Hkv, hd]
+    cache: KVCache  # k/v [n_layers, S, Hkv, T, hd]
     logits_SxV: jax.Array  # fp32 next-token logits per slot
     cols_S: jax.Array  # int32: column of the token the next `generate` samples
     starts_S: jax.Array  # int32: first valid column
@@ -90,56 +95,167 @@ def sample_token(logits_V, key, *, temperature: float, top_k: int, top_p: float)
     return token, logp_V[token]
 
 
+AXES = ("data", "tensor")
+
+
+def engine_mesh(devices, tensor: int = 1) -> Mesh:
+    """Mesh ("data", "tensor") over the engine's devices: slots split over data, weights
+    and KV heads over tensor (consecutive devices form a tensor group)."""
+    devs = np.asarray(devices, dtype=object).reshape(-1)
+    if tensor < 1 or devs.size % tensor:
+        raise ConfigError(f"engine.tensor={tensor}: must divide the engine's {devs.size} devices")
+    return Mesh(devs.reshape(devs.size // tensor, tensor), AXES)
+
+
+def check_tensor(model_cfg: ModelConfig, tensor: int) -> None:
+    """Attention heads and KV heads split whole over the tensor axis."""
+    for name, n in (("model.n_heads", model_cfg.n_heads), ("model.n_kv_heads", model_cfg.n_kv_heads)):
+        if n % tensor:
+            raise ConfigError(f"engine.tensor={tensor}: must divide {name}={n} (heads split whole over it)")
+
+
+def ladder(limit: int, minimum: int = 16) -> tuple[int, ...]:
+    """Bucket sizes up to `limit`: the powers of two in [minimum, limit), then `limit`."""
+    out, b = [], 1
+    while b < limit:
+        if b >= minimum:
+            out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    return next(b for b in sizes if b >= n)
+
+
+def _host(st):
+    """(columns, active) of every slot as the host mirrors them (copies), or None when this
+    state did not come from the engine's own methods (then decode reads every column)."""
+    cols = getattr(st, "host_cols", None)
+    return None if cols is None else (cols.copy(), st.host_active.copy())
+
+
+def _track(st, cols, active):
+    st.host_cols, st.host_active = cols, active
+    return st
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _is_norm_scale(axes) -> bool:
+    return axes is not None and tuple(a for a in axes if a != "layers") == ("embed",)
+
+
 class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
-                 steps_per_call: int = 1):
+                 steps_per_call: int = 1, tensor: int = 1, windows: bool = True, unroll: bool | int = 1):
+        """`windows`: decode reads only a bucket of the cache's columns (`decode_window`);
+        False reads all P + N (the choice then never depends on other slots' lengths).
+        `unroll`: layers per decode scan iteration (True: all; `plan` counts costs so)."""
+        self.unroll = unroll
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.width = max_prompt_len + max_new_tokens
         self.seed = seed
         self.steps_per_call = steps_per_call
+        self.windows = ladder(self.width, minimum=max_prompt_len + 1) if windows else (self.width,)
+        self.prompt_buckets = ladder(max_prompt_len)
+        self.done_buckets = (0,) + ladder(max_new_tokens - 1) if max_new_tokens > 1 else (0,)
+        self.dtype = jnp.dtype(model_cfg.dtype)
         self._sample = functools.partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
-        self.mesh = Mesh(np.asarray(devices if devices is not None else jax.devices()), ("data",))
+        check_tensor(model_cfg, tensor)
+        self.mesh = engine_mesh(devices if devices is not None else jax.devices(), tensor)
+        self.tensor = tensor
         self.params: Any = None
         self.version: int | None = None
+        platform = self.mesh.devices.flat[0].platform
+        self.attn = attention.resolve(model_cfg.attention, platform, model_cfg.dtype, self.mesh, ("data",), "tensor")
 
         rep = NamedSharding(self.mesh, PS())
-        # Slots are independent rows, so they split over the devices (data parallel
-        # decode) when they divide evenly; weights are replicated.
-        split = slots % self.mesh.size == 0
-        per_slot = NamedSharding(self.mesh, PS("data") if split else PS())
-        per_slot_cache = NamedSharding(self.mesh, PS(None, "data") if split else PS())
+        # Slots are independent rows: they split over the data axis when they divide evenly.
+        data = "data" if slots % self.mesh.shape["data"] == 0 and self.mesh.shape["data"] > 1 else None
+        heads = "tensor" if tensor > 1 else None
+        per_slot = NamedSharding(self.mesh, PS(data))
+        cache_sh = NamedSharding(self.mesh, PS(None, data, heads, None, None))  # [L, S, Hkv, T, hd]
+        prefix_cache = NamedSharding(self.mesh, PS(None, None, heads, None, None))
         self._replicated = rep
         self._state_sharding = DecodeState(
-            cache={"k": per_slot_cache, "v": per_slot_cache}, logits_SxV=per_slot, cols_S=per_slot,
+            cache={"k": cache_sh, "v": cache_sh}, logits_SxV=per_slot, cols_S=per_slot,
             starts_S=per_slot, ordinals_S=per_slot, samples_S=per_slot, active_S=per_slot)
-        st = self._state_sharding
+        self._prefix_sharding = Prefix(cache={"k": prefix_cache, "v": prefix_cache}, logits_BxV=rep, starts_B=rep,
+                                       next_cols_B=rep, col0=rep)
+        st, pre = self._state_sharding, self._prefix_sharding
+        self._publishers: dict = {}
+        # Params keep the shardings `load_params` gave them (None: taken from the arguments).
         self._init = jax.jit(self._init_impl, out_shardings=st)
-        self._prefill = jax.jit(self._prefill_impl, in_shardings=rep, out_shardings=rep)
-        self._insert = jax.jit(self._insert_impl, in_shardings=(rep, st, rep, rep, rep), out_shardings=st,
+        self._prefill = jax.jit(self._prefill_impl, in_shardings=(None, rep, rep, rep, rep, rep), out_shardings=pre)
+        self._insert = jax.jit(self._insert_impl, in_shardings=(pre, st, rep, rep, rep, rep), out_shardings=st,
                                donate_argnums=1)
-        def compiled(body, token_spec, token_sharding):
-            if split:
-                # Per-device bodies over local slots: without this the partitioner all-gathers
-                # the logits for top-k and the new k/v rows for the cache scatter.
-                specs = jax.tree.map(lambda s: s.spec, st)
-                body = jax.shard_map(body, mesh=self.mesh, in_specs=(PS(), specs),
-                                     out_specs=(specs, token_spec, token_spec))
-            return jax.jit(body, in_shardings=(rep, st), out_shardings=(st, token_sharding, token_sharding),
-                           donate_argnums=1)
-
-        self._generate = compiled(self._generate_impl, PS("data"), per_slot)
-        per_step_slot = NamedSharding(self.mesh, PS(None, "data") if split else PS())
-        self._generate_steps = compiled(self._generate_steps_impl, PS(None, "data"), per_step_slot)
+        self._out_sh = (st, per_slot, NamedSharding(self.mesh, PS(None, data)))
+        self._decoders: dict[tuple[int, bool], Any] = {}  # (window, multi-step) -> jitted decode
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
+    def _decoder(self, window: int, multi: bool):
+        """The compiled decode for one window (a bounded set: `self.windows`)."""
+        key = (window, multi)
+        if key not in self._decoders:
+            body = self._generate_steps_impl if multi else self._generate_impl
+            st, one, many = self._out_sh
+            self._decoders[key] = jax.jit(functools.partial(body, window=window), in_shardings=(None, st),
+                                          out_shardings=(st, many if multi else one, many if multi else one),
+                                          donate_argnums=1)
+        return self._decoders[key]
+
     # ---- weights -------------------------------------------------------------------
+    def param_dtype(self, v) -> Any:
+        """The engine's dtype of a parameter: the compute dtype, except norm scales, which the
+        model reads in fp32 (so the engine computes exactly what the learner computes)."""
+        x = v.get_value() if _is_var(v) else v
+        if not jnp.issubdtype(x.dtype, jnp.floating) or _is_norm_scale(getattr(v, "axes", None)):
+            return x.dtype
+        return self.dtype
+
+    def param_shardings(self, params):
+        """NamedShardings on the engine mesh from the parameters' logical axes (`sharding.RULES`)."""
+        return sharding.param_shardings(params, self.mesh)
+
+    def _cast(self, params, copy: bool):
+        def one(v):
+            x, dt = v.get_value(), self.param_dtype(v)
+            return v.replace(x.astype(dt) if x.dtype != dt else jnp.copy(x) if copy else x)
+        return jax.tree.map(one, params, is_leaf=_is_var)
+
     def load_params(self, params):
-        """Params replicated on the engine's devices. Arrays already laid out that way are
-        returned as they are (no copy), so a donating learner must publish a copy."""
-        return jax.device_put(params, self._replicated)
+        """Params in the engine's compute dtype and sharding, in fresh buffers (a donating
+        learner may pass its own). Cast once here, not per token. On the engine's own devices
+        one program casts and reshards from any layout (no gathered replica, no second copy);
+        from other devices they are cast where they are, then transferred."""
+        sh = self.param_shardings(params)
+        leaves = jax.tree.leaves(params)
+        engine_devs = set(self.mesh.devices.flat)
+        srcs = {d for x in leaves if isinstance(x, jax.Array) and x.committed for d in x.sharding.device_set}
+        key = jax.tree.structure(params)
+        if not srcs or srcs == engine_devs:
+            if key not in self._publishers:
+                self._publishers[key] = jax.jit(functools.partial(self._cast, copy=True), out_shardings=sh)
+            return self._publishers[key](params)
+        if any(x.dtype != self.param_dtype(v) for v, x in
+               zip(jax.tree.leaves(params, is_leaf=_is_var), leaves)):
+            params = jax.jit(functools.partial(self._cast, copy=False))(params)
+        return jax.device_put(params, sh)
+
+    def _placed(self, params) -> bool:
+        """Already in the engine's dtypes and shardings (e.g. from `load_params`)."""
+        sh = jax.tree.leaves(self.param_shardings(params))
+        for v, x, s in zip(jax.tree.leaves(params, is_leaf=_is_var), jax.tree.leaves(params), sh):
+            if not isinstance(x, jax.Array) or x.dtype != self.param_dtype(v) or not x.sharding.is_equivalent_to(
+                    s, x.ndim):
+                return False
+        return True
 
     def update_params(self, params, version: int) -> None:
         """Swaps in new weights; same shapes, dtypes and placement, so nothing recompiles."""
@@ -150,41 +266,97 @@ class Engine:
             for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)):
                 if a.shape != b.shape:
                     raise ValueError(f"update_params: shape {b.shape} != loaded {a.shape}")
-            params = jax.tree.map(lambda a, b: b if b.dtype == a.dtype else b.astype(a.dtype),
-                                  self.params, params)
-        self.params = self.load_params(params)
+        self.params = params if self._placed(params) else self.load_params(params)
         self.version = version
 
     # ---- API -----------------------------------------------------------------------
     def init_decode_state(self) -> DecodeState:
-        return self._init()
+        s = self.max_concurrent_decodes
+        return _track(self._init(), np.zeros(s, np.int64), np.zeros(s, bool))
 
     def prefill(self, params, prompt_tokens: np.ndarray, completion: np.ndarray | None = None) -> Prefix:
-        """Prefills one sequence of width T: the prompt and an optional completion prefix
-        of k < N tokens (a saved half-finished sample continues without regenerating)."""
+        """Prefills one sequence: the prompt and an optional completion prefix of k < N
+        tokens (a saved half-finished sample continues without regenerating). Its width is
+        the buckets of its own lengths, so the result depends on this sequence alone."""
+        return self.prefill_many(params, [(prompt_tokens, completion)])
+
+    def prefill_many(self, params, seqs) -> Prefix:
+        """Prefills several (prompt, completion prefix or None) sequences in one call, at
+        the width of a prompt bucket plus a completion bucket (powers of two, `ladder`);
+        rows are padded to a power of two. Insert row i with `insert(..., row=i)`."""
+        rows = [self._check_seq(p, c) for p, c in seqs]
+        if not rows:
+            raise ValueError("prefill_many: no sequences")
+        p = self.max_prompt_len
+        pb = bucket(max(r[0].size for r in rows), self.prompt_buckets)
+        nb = bucket(max(r[1].size for r in rows), self.done_buckets)
+        b = 1 << (len(rows) - 1).bit_length()  # rows: the next power of two
+        c0, w = p - pb, pb + nb
+        tokens, positions, valid = (np.zeros((b, w), np.int32), np.zeros((b, w), np.int32),
+                                    np.zeros((b, w), bool))
+        next_cols = np.full(b, p, np.int32)
+        for i, (prompt, done) in enumerate(rows + [(np.zeros(1, np.int32), np.zeros(0, np.int32))] * (b - len(rows))):
+            start, pos, ok = layout(prompt.size, p, self.width, n_filled=prompt.size + done.size)
+            tokens[i, start - c0:pb] = prompt
+            tokens[i, pb:pb + done.size] = done
+            positions[i], valid[i] = pos[c0:c0 + w], ok[c0:c0 + w]
+            next_cols[i] = p + done.size
+        prefix = self._prefill(params, tokens, positions, valid, next_cols, np.int32(c0))
+        prefix.host_next_cols = next_cols  # type: ignore[attr-defined]  (for the decode window)
+        return prefix
+
+    def _check_seq(self, prompt_tokens, completion):
         prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
         done = np.zeros(0, np.int32) if completion is None else np.asarray(completion, np.int32).reshape(-1)
-        p, t = self.max_prompt_len, self.width
-        if not 1 <= prompt.size <= p:
-            raise ValueError(f"prompt length {prompt.size} not in [1, max_prompt_len={p}]")
+        if not 1 <= prompt.size <= self.max_prompt_len:
+            raise ValueError(f"prompt length {prompt.size} not in [1, max_prompt_len={self.max_prompt_len}]")
         if done.size >= self.max_new_tokens:
             raise ValueError(f"completion prefix of {done.size} tokens leaves nothing to generate "
                              f"(max_new_tokens={self.max_new_tokens})")
-        start, positions, valid = layout(prompt.size, p, t, n_filled=prompt.size + done.size)
-        tokens = np.zeros(t, np.int32)
-        tokens[start:p] = prompt
-        tokens[p:p + done.size] = done
-        return self._prefill(params, tokens[None], positions[None], valid[None], np.int32(p + done.size))
+        return prompt, done
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, ordinal: int,
-               sample: int) -> DecodeState:
-        return self._insert(prefix, decode_state, np.int32(slot), np.int32(ordinal), np.int32(sample))
+               sample: int, row: int = 0) -> DecodeState:
+        """Row `row` of `prefix` into `slot` (its columns outside the prefix are never read
+        before the slot writes them)."""
+        host = _host(decode_state)
+        st = self._insert(prefix, decode_state, np.int32(slot), np.int32(row), np.int32(ordinal),
+                          np.int32(sample))
+        nxt = getattr(prefix, "host_next_cols", None)
+        if host is None or nxt is None:
+            return st
+        host[0][slot], host[1][slot] = nxt[row], True
+        return _track(st, *host)
+
+    def decode_window(self, decode_state: DecodeState, steps: int = 1) -> int:
+        """Cache columns the next `steps` decode steps read: the smallest of `self.windows`
+        holding every active slot's columns (the engine mirrors each slot's column on the
+        host, so the choice costs no device sync). Inactive slots compute garbage anyway."""
+        host = _host(decode_state)
+        if host is None or len(self.windows) == 1:
+            return self.width
+        cols, active = host
+        need = int(cols[active].max()) + steps if active.any() else 1
+        return bucket(min(need, self.width), self.windows)
+
+    def _dispatch(self, params, decode_state: DecodeState, steps: int):
+        """Dispatches `steps` decode steps (asynchronously); tokens and logprobs stay on device."""
+        host = _host(decode_state)
+        fn = self._decoder(self.decode_window(decode_state, steps), steps > 1)
+        state, tokens, logprobs = fn(params, decode_state)
+        if host is not None:
+            host[0][host[1]] += steps
+            state = _track(state, *host)
+        return state, tokens, logprobs
+
+    def _decode(self, params, decode_state: DecodeState, steps: int):
+        state, tokens, logprobs = self._dispatch(params, decode_state, steps)
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        return state, np.asarray(tokens), np.asarray(logprobs)
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
         """One token for every slot: (state, tokens_S int32, logprobs_S fp32) on the host."""
-        state, tokens_S, logprobs_S = self._generate(params, decode_state)
-        tokens_S, logprobs_S = jax.device_get((tokens_S, logprobs_S))
-        return state, np.asarray(tokens_S), np.asarray(logprobs_S)
+        return self._decode(params, decode_state, 1)
 
     def generate_steps(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
         """`steps_per_call` tokens for every slot in one call: (state, tokens_KxS, logprobs_KxS).
@@ -195,18 +367,41 @@ class Engine:
         if self.steps_per_call == 1:
             state, tokens_S, logprobs_S = self.generate(params, decode_state)
             return state, tokens_S[None], logprobs_S[None]
-        state, tokens_KxS, logprobs_KxS = self._generate_steps(params, decode_state)
-        tokens_KxS, logprobs_KxS = jax.device_get((tokens_KxS, logprobs_KxS))
-        return state, np.asarray(tokens_KxS), np.asarray(logprobs_KxS)
+        return self._decode(params, decode_state, self.steps_per_call)
+
+    def generate_steps_async(self, params, decode_state: DecodeState) -> tuple[DecodeState, jax.Array, jax.Array]:
+        """`generate_steps` without waiting: (state, tokens_KxS, logprobs_KxS) as device arrays
+        still being computed (dispatch is asynchronous), their copy to the host already
+        started. The caller records the previous chunk meanwhile and fetches these later
+        (`np.asarray`), so the host's per-token work overlaps the device's next K steps."""
+        k = self.steps_per_call
+        state, tokens_KxS, logprobs_KxS = self._dispatch(params, decode_state, k)
+        if k == 1:
+            tokens_KxS, logprobs_KxS = tokens_KxS[None], logprobs_KxS[None]
+        for x in (tokens_KxS, logprobs_KxS):
+            x.copy_to_host_async()
+        return state, tokens_KxS, logprobs_KxS
+
+    def active_slots(self, decode_state: DecodeState) -> np.ndarray | None:
+        """The slots the host mirror holds active (bool [S]), or None without a mirror."""
+        host = _host(decode_state)
+        return None if host is None else host[1]
 
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
-        return self._free(decode_state, np.int32(slot))
+        host = _host(decode_state)
+        st = self._free(decode_state, np.int32(slot))
+        if host is None:
+            return st
+        host[1][slot] = False
+        return _track(st, *host)
 
     def compile_counts(self) -> dict[str, int]:
-        """Compiled executables per entry point; each stays 1 however many requests run."""
-        fns = {"prefill": self._prefill, "insert": self._insert, "generate": self._generate,
-               "free": self._free}
-        return {k: f._cache_size() for k, f in fns.items()}
+        """Compiled executables per entry point: prefill and insert one per bucket shape,
+        generate one per decode window used (both bounded, however many requests run)."""
+        fns = {"prefill": self._prefill, "insert": self._insert, "free": self._free}
+        out = {k: f._cache_size() for k, f in fns.items()}
+        out["generate"] = sum(f._cache_size() for f in self._decoders.values())
+        return {k: out[k] for k in ("prefill", "insert", "generate", "free")}
 
     # ---- jitted bodies ---------------------------------------------------------------
     def _init_impl(self) -> DecodeState:
@@ -217,79 +412,135 @@ class Engine:
                            starts_S=zeros, ordinals_S=zeros, samples_S=zeros,
                            active_S=jnp.zeros((s,), bool))
 
-    def _prefill_impl(self, params, tokens_1xT, positions_1xT, valid_1xT, next_col) -> Prefix:
+    def _prefill_impl(self, params, tokens_BxW, positions_BxW, valid_BxW, next_cols_B, col0) -> Prefix:
         model = nnx.merge(self.graphdef, params)
-        logits_1xV, cache = model.prefill_at(tokens_1xT, positions_1xT, valid_1xT, (next_col - 1)[None])
-        start = jnp.argmax(valid_1xT[0]).astype(jnp.int32)
-        return Prefix(cache=cache, logits_V=logits_1xV[0], start=start, next_col=next_col)
+        logits_BxV, cache = model.prefill_at(tokens_BxW, positions_BxW, valid_BxW, next_cols_B - 1 - col0,
+                                             attn=self.attn, col_offset=col0)
+        starts_B = col0 + jnp.argmax(valid_BxW, axis=1).astype(jnp.int32)
+        return Prefix(cache=cache, logits_BxV=logits_BxV, starts_B=starts_B, next_cols_B=next_cols_B, col0=col0)
 
-    def _insert_impl(self, prefix: Prefix, st: DecodeState, slot, ordinal, sample) -> DecodeState:
-        cache = jax.tree.map(lambda c, p: c.at[:, slot].set(p[:, 0].astype(c.dtype)), st.cache, prefix.cache)
-        return DecodeState(cache=cache, logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_V),
-                           cols_S=st.cols_S.at[slot].set(prefix.next_col),
-                           starts_S=st.starts_S.at[slot].set(prefix.start),
+    def _insert_impl(self, prefix: Prefix, st: DecodeState, slot, row, ordinal, sample) -> DecodeState:
+        def put(c, p):
+            r = jax.lax.dynamic_index_in_dim(p, row, axis=1).astype(c.dtype)  # [L, 1, Hkv, W, hd]
+            return jax.lax.dynamic_update_slice(c, r, (0, slot, 0, prefix.col0, 0))
+        return DecodeState(cache=jax.tree.map(put, st.cache, prefix.cache),
+                           logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
+                           cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
+                           starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),
                            ordinals_S=st.ordinals_S.at[slot].set(ordinal),
                            samples_S=st.samples_S.at[slot].set(sample),
                            active_S=st.active_S.at[slot].set(True))
 
-    def _generate_impl(self, params, st: DecodeState):
+    def _generate_impl(self, params, st: DecodeState, window: int):
         model = nnx.merge(self.graphdef, params)
         n_S = st.cols_S - self.max_prompt_len
         keys_S = jax.vmap(functools.partial(token_key, self.seed))(st.ordinals_S, st.samples_S, n_S)
         tokens_S, logprobs_S = jax.vmap(self._sample)(st.logits_SxV, keys_S)
         # An inactive (or finished and not yet freed) slot must not write out of bounds.
         cols_S = jnp.minimum(st.cols_S, self.width - 1)
-        logits_SxV, cache = model.decode(tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache)
+        logits_SxV, cache = model.decode(tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache,
+                                         window=window, unroll=self.unroll)
         new = dataclasses.replace(st, cache=cache, logits_SxV=logits_SxV,
                                   cols_S=st.cols_S + st.active_S.astype(jnp.int32))
         return new, tokens_S, logprobs_S
 
-    def _generate_steps_impl(self, params, st: DecodeState):
+    def _generate_steps_impl(self, params, st: DecodeState, window: int):
         def step(carry, _):
-            carry, tok, lp = self._generate_impl(params, carry)
+            carry, tok, lp = self._generate_impl(params, carry, window)
             return carry, (tok, lp)
-        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call)
+        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call, unroll=True)
         return st, tokens_KxS, logprobs_KxS
 
     def _free_impl(self, st: DecodeState, slot) -> DecodeState:
         return dataclasses.replace(st, active_S=st.active_S.at[slot].set(False))
 
 
+def chunk_ends(tokens_KxS: np.ndarray, room_S: np.ndarray, stops) -> tuple[np.ndarray, np.ndarray]:
+    """Where each slot's sample ends within one chunk of K tokens: (take_S, ended_S).
+
+    `room_S` is how many more tokens each sample may have (its cap minus what it holds);
+    it ends at a stop token (kept) or when the room is used up. take_S counts the tokens
+    that belong to it (K when it runs on); what follows an end is garbage."""
+    k = tokens_KxS.shape[0]
+    end_KxS = np.arange(1, k + 1)[:, None] >= np.asarray(room_S)[None, :]
+    if stops:
+        end_KxS |= np.isin(tokens_KxS, np.fromiter(stops, np.int64))
+    ended_S = end_KxS.any(axis=0)
+    return np.where(ended_S, end_KxS.argmax(axis=0) + 1, k), ended_S
+
+
 def generate_all(engine: Engine, params, prompts: list[np.ndarray], *, samples: int = 1,
-                 eos_id: int | tuple[int, ...] | None, ordinals: list[int] | None = None) -> list[list[Completion]]:
+                 eos_id: int | tuple[int, ...] | None, ordinals: list[int] | None = None,
+                 max_tokens: list[list[int]] | None = None) -> list[list[Completion]]:
     """Continuous batching: fill free slots, step, retire finished samples, refill.
 
     Returns completions indexed [prompt][sample]. A sample ends at `eos_id` (one id or a tuple
-    of stop ids; kept as its last token) or after `engine.max_new_tokens` tokens; `eos_id=None`
-    never stops early."""
+    of stop ids; kept as its last token) or after `engine.max_new_tokens` tokens (or
+    `max_tokens[i][s]` for sample s of prompt i, when given); `eos_id=None` never stops early.
+
+    `engine.steps_per_call` tokens per call; after each call only the ends are found on the
+    host (vectorised) before the freed slots are refilled and the next call dispatched, and
+    the tokens are appended to their samples while the device computes it."""
     stops = frozenset(() if eos_id is None else (eos_id,) if isinstance(eos_id, int) else eos_id)
     ordinals = list(range(len(prompts))) if ordinals is None else list(ordinals)
+    n_max = engine.max_new_tokens
     waiting = [(i, s) for i in range(len(prompts)) for s in range(samples)]
     waiting.reverse()
     out: list[list[Completion | None]] = [[None] * samples for _ in prompts]
-    running: dict[int, tuple[int, int, list[int], list[float]]] = {}
-    free_slots = list(range(engine.max_concurrent_decodes))[::-1]
+    running: list[_Row | None] = [None] * engine.max_concurrent_decodes
     state = engine.init_decode_state()
     prefix_of: tuple[int, Prefix] | None = None  # samples of one prompt share its prefill
-    while waiting or running:
-        while waiting and free_slots:
-            i, s = waiting.pop()
-            if prefix_of is None or prefix_of[0] != i:
-                prefix_of = (i, engine.prefill(params, prompts[i]))
-            slot = free_slots.pop()
-            state = engine.insert(prefix_of[1], state, slot, ordinal=ordinals[i], sample=s)
-            running[slot] = (i, s, [], [])
-        state, tokens_S, logprobs_S = engine.generate(params, state)
-        for slot in sorted(running):
-            i, s, toks, lps = running[slot]
-            toks.append(int(tokens_S[slot]))
-            lps.append(float(logprobs_S[slot]))
-            if toks[-1] in stops or len(toks) == engine.max_new_tokens:
-                out[i][s] = Completion(np.asarray(toks, np.int32), np.asarray(lps, np.float32))
-                del running[slot]
-                state = engine.free(state, slot)
-                free_slots.append(slot)
+    fetched = None  # the last chunk on the host, its ends found, its tokens not yet appended
+    while waiting or any(running) or fetched is not None:
+        for slot, row in enumerate(running):
+            if row is None and waiting:
+                i, s = waiting.pop()
+                if prefix_of is None or prefix_of[0] != i:
+                    prefix_of = (i, engine.prefill(params, prompts[i]))
+                state = engine.insert(prefix_of[1], state, slot, ordinal=ordinals[i], sample=s)
+                limit = n_max if max_tokens is None else max(1, min(int(max_tokens[i][s]), n_max))
+                running[slot] = _Row(i, s, limit)
+        chunk = None
+        if any(running):
+            state, tokens_KxS, logprobs_KxS = engine.generate_steps_async(params, state)
+            chunk = (tokens_KxS, logprobs_KxS, list(running))
+        if fetched is not None:  # while the device computes the chunk just dispatched
+            _append(*fetched, out)
+        fetched = None
+        if chunk is not None:
+            tokens_KxS, logprobs_KxS, rows = chunk
+            tokens_KxS, logprobs_KxS = np.asarray(tokens_KxS), np.asarray(logprobs_KxS)
+            room_S = np.asarray([0 if r is None else r.limit - r.n for r in rows])
+            take_S, ended_S = chunk_ends(tokens_KxS, room_S, stops)
+            for slot, r in enumerate(rows):
+                if r is not None:
+                    r.n += int(take_S[slot])
+                    if ended_S[slot]:
+                        running[slot] = None
+                        if not waiting:  # an idle slot stops advancing (nothing will refill it)
+                            state = engine.free(state, slot)
+            fetched = (tokens_KxS, logprobs_KxS, rows, take_S, ended_S)
     return out  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt: int
+    sample: int
+    limit: int  # tokens after which the sample ends
+    n: int = 0  # tokens it holds, counting those found but not appended yet
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+
+
+def _append(tokens_KxS, logprobs_KxS, rows, take_S, ended_S, out) -> None:
+    for slot, r in enumerate(rows):
+        if r is None:
+            continue
+        r.tokens += tokens_KxS[:take_S[slot], slot].tolist()
+        r.logprobs += logprobs_KxS[:take_S[slot], slot].tolist()
+        if ended_S[slot]:
+            out[r.prompt][r.sample] = Completion(np.asarray(r.tokens, np.int32), np.asarray(r.logprobs, np.float32))
 
 
 @functools.lru_cache(maxsize=16)

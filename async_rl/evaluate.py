@@ -73,7 +73,8 @@ class Evaluator:
                              max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                              temperature=0.0 if greedy else cfg.engine.temperature,
                              top_k=0 if greedy else cfg.engine.top_k, top_p=1.0 if greedy else cfg.engine.top_p,
-                             seed=cfg.run.seed, devices=devices)
+                             seed=cfg.run.seed, devices=devices, tensor=cfg.engine.tensor,
+                             steps_per_call=cfg.engine.steps_per_call)
         self._stops = tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
 
     def describe(self) -> str:
@@ -122,6 +123,7 @@ def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] 
         raise ValueError(f"--step {step}: no committed checkpoint step {step} in {ckpt_dir} "
                          f"(steps: {', '.join(map(str, steps))})")
     params = restore_params(ckpt_dir / str(step) / "state", cfg.model, vocab)
-    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0))), nnx.Param)[0]
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0),
+                                                              n_tokens=tok.vocab_size)), nnx.Param)[0]
     ev = make_evaluator(cfg, graphdef, vocab, tok)
     return step, ev(params), ev.describe()

@@ -13,7 +13,8 @@ tokens generated so far). Does not own: anything else; with the variables unset 
 call is a dictionary lookup.
 
 `ASYNC_RL_DELAY` (comma-separated `point:seconds`, e.g. `generate:0.01,step:0.5`) sleeps
-at `generate` (after each engine generate call) and `step` (after each learner step).
+at `generate` (after each engine generate call, per decode step in it: seconds a token)
+and `step` (after each learner step).
 """
 
 from __future__ import annotations
@@ -54,6 +55,6 @@ _DELAYS = {k: float(v) for k, v in (p.split(":", 1) for p in os.environ.get("ASY
                                     if ":" in p)}
 
 
-def delay(name: str) -> None:
+def delay(name: str, times: int = 1) -> None:
     if _DELAYS and name in _DELAYS:
-        time.sleep(_DELAYS[name])
+        time.sleep(_DELAYS[name] * times)

@@ -60,8 +60,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
-def _new_model(cfg: Config, vocab_size: int) -> Transformer:
-    return Transformer(cfg.model, vocab_size, rngs=nnx.Rngs(cfg.run.seed))
+def _new_model(cfg: Config, vocab_size: int, n_tokens: int = 0) -> Transformer:
+    return Transformer(cfg.model, vocab_size, rngs=nnx.Rngs(cfg.run.seed), n_tokens=n_tokens)
 
 
 def _log(msg: str) -> None:
@@ -72,9 +72,11 @@ class Learner:
     """Holds the compiled functions; the state itself is passed in and out (pure steps)."""
 
     def __init__(self, cfg: Config, vocab_size: int, mesh, shared_devices: bool = True, *,
-                 log: Callable[[str], None] = _log, unroll: bool = False):
+                 log: Callable[[str], None] = _log, unroll: bool = False, n_tokens: int = 0):
         """`unroll`: every loop in the step unrolled (layers, updates, micro-batches, logit
-        chunks): slow to compile, but XLA's cost model then counts every iteration (`plan`)."""
+        chunks): slow to compile, but XLA's cost model then counts every iteration (`plan`).
+        `n_tokens`: the tokenizer's vocabulary size; ids at or above it get no probability
+        (`Transformer`), here and in the engine, which shares this graphdef."""
         self.cfg, self.mesh, self.vocab_size = cfg, mesh, vocab_size
         self.P, self.N = cfg.engine.max_prompt_len, cfg.rollout.max_new_tokens
         self.G = cfg.rollout.samples_per_prompt
@@ -87,7 +89,7 @@ class Learner:
         self.gather = sharding.layer_gatherer(mesh, cfg.model.dtype)
         self._check_splits(cfg, mesh)
         self.tx = make_optimizer(cfg)
-        abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size))
+        abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens))
         self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
         self.param_sh = sharding.param_shardings(abstract_params, mesh)
         self.opt_sh = sharding.opt_shardings(self.tx, abstract_params, self.param_sh, mesh)

@@ -38,14 +38,16 @@ REMAT = ("none", "block", "dots")
 
 
 class KVCache(TypedDict):
-    k: jax.Array  # [n_layers, B, T, Hkv, hd], keys after RoPE
-    v: jax.Array  # [n_layers, B, T, Hkv, hd]
+    # kv heads before columns: a decode step's attention reads each head's [T, hd] block
+    # as it lies (columns first made the TPU compiler copy a transposed layer per step)
+    k: jax.Array  # [n_layers, B, Hkv, T, hd], keys after RoPE
+    v: jax.Array  # [n_layers, B, Hkv, T, hd]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """Zeroed cache; layers stacked first and batch second so a slot is `[:, s]`."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.resolved_head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -236,11 +238,21 @@ def _policy(remat: str):
             "dots": jax.checkpoint_policies.checkpoint_dots}.get(remat)
 
 
-class Transformer(nnx.Module):
-    """Holds only `nnx.Param`s, so `nnx.split(model)` gives (graphdef, params)."""
+# Logit of an id outside the tokenizer: exp() of it is exactly 0 in fp32 (so it is never
+# drawn and adds nothing to a softmax or an entropy), yet finite, so 0 * logp stays 0.
+OUTSIDE_LOGIT = -1e30
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
+
+class Transformer(nnx.Module):
+    """Holds only `nnx.Param`s, so `nnx.split(model)` gives (graphdef, params).
+
+    `n_tokens`: the tokenizer's vocabulary size when the embedding has more rows (Hugging
+    Face checkpoints pad it); logits of ids >= n_tokens are `OUTSIDE_LOGIT`. It lives in the
+    graphdef, so the engine's sampling and the learner's logprobs share the mask."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs, n_tokens: int = 0):
         self.cfg = cfg
+        self.n_tokens = n_tokens if 0 < n_tokens < vocab_size else 0
         self.embed = Embed(vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
         self.layers = _stack_blocks([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)], cfg)
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg)
@@ -266,9 +278,13 @@ class Transformer(nnx.Module):
     def _logits(self, x):
         x = self.final_norm(x)
         if self.lm_head is None:
-            return self.embed.attend(x)
-        return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+            logits = self.embed.attend(x)
+        else:
+            logits = jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
+                                preferred_element_type=jnp.float32)
+        if not self.n_tokens:
+            return logits
+        return jnp.where(jnp.arange(logits.shape[-1]) < self.n_tokens, logits, OUTSIDE_LOGIT)
 
     def _scan(self, body, carry, xs=None, *, remat: str = "none", unroll: bool | int = 1, gather=None):
         """Runs `body(carry, block, xs_i) -> (carry, y_i)` over the stacked blocks; `gather`
@@ -306,7 +322,7 @@ class Transformer(nnx.Module):
         def body(x, block, _):
             q, k, v = block.qkv(spec.shard(x), positions_BxT)
             x = block.finish(x, attention.self_attention(q, k, v, valid_BxT, spec), spec.shard)
-            return x, ((k, v) if keep_cache else None)
+            return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None)
 
         x, kv = self._scan(body, x, remat=remat, unroll=unroll, gather=gather)
         return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None)
@@ -334,32 +350,40 @@ class Transformer(nnx.Module):
         x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
         return self._logits(x), cache
 
-    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None):
-        """`prefill`, but logits only at one column per row (skips a [T, V] projection)."""
-        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
+    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None, col_offset=0):
+        """`prefill`, but logits only at one column per row (skips a [T, V] projection).
+        `col_offset`: the absolute column of column 0 (a row narrower than P + N)."""
+        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True,
+                               col_offset=col_offset)
         x_BxD = jnp.take_along_axis(x, cols_B[:, None, None], axis=1)[:, 0]
         return self._logits(x_BxD), cache
 
-    def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache):
-        """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B].
+    def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache, window: int | None = None,
+               unroll: bool | int = 1):
+        """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B).
+        plus its own key. `window` (static): only the first `window` columns are read, so
+        attention costs what the rows hold, not the cache's width; every `cols_B` of a live
+        row must be below it.
+
+        The cache is only read inside the layer loop; every layer's new k/v row is written
+        by one scatter after it (written in the loop, the TPU compiler copied the cache).
 
         Returns (logits [B, V] fp32, cache with this token's k/v written at cols_B)."""
         b = tokens_B.shape[0]
-        t = cache["k"].shape[2]
-        rows = jnp.arange(b)
+        t = cache["k"].shape[3] if window is None else min(window, cache["k"].shape[3])
         c = jnp.arange(t)
-        mask_Bx1xT = ((c[None] >= starts_B[:, None]) & (c[None] <= cols_B[:, None]))[:, None, :]
+        mask_BxT = (c[None] >= starts_B[:, None]) & (c[None] < cols_B[:, None])
         x = self._embed(tokens_B[:, None], cols_B[:, None])
 
-        def body(carry, block, i):
-            x, ck, cv = carry
+        def body(x, block, i):
             q, k, v = block.qkv(x, positions_B[:, None])
-            # The cache rides in the carry and is written in place, one layer's rows at a time.
-            ck = ck.at[i, rows, cols_B].set(k[:, 0].astype(ck.dtype))
-            cv = cv.at[i, rows, cols_B].set(v[:, 0].astype(cv.dtype))
-            keys, values = ck[i].astype(k.dtype), cv[i].astype(v.dtype)
-            x = block.finish(x, attention.masked(q, keys, values, mask_Bx1xT))
-            return (x, ck, cv), None
+            # this layer's [B, Hkv, t, hd], read where it lies
+            keys, values = cache["k"][i, :, :, :t].astype(k.dtype), cache["v"][i, :, :, :t].astype(v.dtype)
+            x = block.finish(x, attention.one_query(q, keys, values, mask_BxT, k[:, 0], v[:, 0]))
+            return x, (k[:, 0], v[:, 0])
 
-        (x, ck, cv), _ = self._scan(body, (x, cache["k"], cache["v"]), jnp.arange(self.cfg.n_layers))
-        return self._logits(x[:, 0]), {"k": ck, "v": cv}
+        x, (k_LxBxGxD, v_LxBxGxD) = self._scan(body, x, jnp.arange(self.cfg.n_layers), unroll=unroll)
+        rows = jnp.arange(b)
+        # [:, rows, :, cols] puts the indexed (row) axis first: updates are [B, L, Hkv, hd]
+        write = lambda c, new: c.at[:, rows, :, cols_B].set(new.swapaxes(0, 1).astype(c.dtype))
+        return self._logits(x[:, 0]), {"k": write(cache["k"], k_LxBxGxD), "v": write(cache["v"], v_LxBxGxD)}

@@ -22,9 +22,15 @@ What the numbers are:
            parameters x tokens + causal attention, per update pass; no recomputation) /
            (estimated time x peak). Not a measurement.
 
-An engine part (prefill/decode compiled for the engine's devices) is meant to sit beside
-the learner part in `Report.parts`, adding `engine_bytes_per_chip` and
-`engine_bytes_accessed_per_decode_step`.
+The engine part compiles the engine's decode step and one prefill for an engine over the
+topology's devices (mesh data x engine.tensor; `engine.max_concurrent_decodes` slots split
+over data, weights and KV heads over tensor). Its memory is the decode step's arguments
+(weights in the compute dtype, the KV cache) plus the larger of decode's and prefill's
+temporaries; its bytes accessed per decode step come from layer-count differencing (2 and
+3 layers, unrolled) since XLA counts a scanned layer once, and are set beside the bytes
+that must be read: weights plus the cache's columns (all of them: the widest window).
+With `mesh.engine_devices=0` engine and learner share the chips, so each must fit beside
+the other's resident state (weights and cache; parameters and optimizer state).
 """
 
 from __future__ import annotations
@@ -135,6 +141,8 @@ class Part:
     bytes_accessed: float = 0.0
     model_flops: float = 0.0
     error: str = ""
+    kv_bytes: int = 0  # engine: the KV cache's share on a chip
+    resident_bytes: int = 0  # what stays allocated between this program's runs (state)
 
 
 @dataclass
@@ -171,6 +179,14 @@ class Report:
                        flops_per_chip=lp.flops, kernel_flops_per_chip=lp.kernel_flops,
                        bytes_accessed_per_chip=lp.bytes_accessed, model_flops_per_chip=lp.model_flops,
                        learner_compile_s=lp.compile_s, learner_error=lp.error or None)
+        ep = self.parts.get("engine")
+        if ep is not None:
+            out.update(engine_bytes_per_chip=ep.total_bytes, engine_params_bytes_per_chip=ep.params_bytes,
+                       engine_kv_bytes_per_chip=ep.kv_bytes, engine_temp_bytes_per_chip=ep.temp_bytes,
+                       engine_bytes_accessed_per_decode_step=ep.bytes_accessed,
+                       engine_decode_read_ratio=(ep.bytes_accessed / (ep.params_bytes + ep.kv_bytes)
+                                                 if ep.bytes_accessed else None),
+                       engine_compile_s=ep.compile_s, engine_error=ep.error or None)
         out.update(self.estimates())
         out["knobs"] = self.knobs
         return out
@@ -335,6 +351,63 @@ def _chunk_cost(cfg: C.Config, learner, mesh: Mesh, rows: int, chunk: int, grad:
     return np.array(_cost(jax.jit(fn).lower(params, x, tok).compile()))
 
 
+def _engine(cfg: C.Config, vocab: int, devices: list, layers: int | None = None, unroll: bool | int = 1):
+    from flax import nnx
+
+    from .engine import Engine
+    from .model import Transformer
+    mc = cfg.model if layers is None else dataclasses.replace(cfg.model, n_layers=layers)
+    abstract = nnx.eval_shape(lambda: Transformer(mc, vocab, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    ec = cfg.engine
+    eng = Engine(mc, graphdef, vocab_size=vocab, slots=ec.max_concurrent_decodes, max_prompt_len=ec.max_prompt_len,
+                 max_new_tokens=cfg.rollout.max_new_tokens, temperature=ec.temperature, top_k=ec.top_k,
+                 top_p=ec.top_p, seed=0, devices=devices, tensor=ec.tensor, unroll=unroll)
+    sh = eng.param_shardings(params)
+    params = jax.tree.map(lambda v, s: v.replace(_abstract(v.shape, eng.param_dtype(v), s.get_value())), params, sh,
+                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    state = jax.tree.map(lambda a, s: _abstract(a.shape, a.dtype, s), jax.eval_shape(eng._init_impl),
+                         eng._state_sharding)
+    return eng, params, state
+
+
+def _engine_prefill(eng, params):
+    """One prompt of max_prompt_len tokens (the pump's single prefill)."""
+    rep = eng._replicated
+    p = eng.max_prompt_len
+    args = (_abstract((1, p), jnp.int32, rep), _abstract((1, p), jnp.int32, rep), _abstract((1, p), jnp.bool_, rep),
+            _abstract((1,), jnp.int32, rep), _abstract((), jnp.int32, rep))
+    return eng._prefill.lower(params, *args).compile()
+
+
+def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool = True) -> Part:
+    """The engine's decode step (widest window) and a prefill, compiled for `devices`."""
+    eng, params, state = _engine(cfg, vocab, devices)
+    t0 = time.perf_counter()
+    try:
+        decode = eng._decoder(eng.width, False).lower(params, state).compile()
+        prefill = _engine_prefill(eng, params)
+    except Exception as e:
+        msg = str(e)
+        need = _oom_bytes(msg)
+        return Part("engine", False, time.perf_counter() - t0, params_bytes=_shard_bytes(params),
+                    kv_bytes=_shard_bytes(state.cache), total_bytes=need or 0,
+                    error=msg.splitlines()[0][:400] if need is None else f"needs {need / GiB:.2f} GiB per chip")
+    compile_s = time.perf_counter() - t0
+    dm, pm = decode.memory_analysis(), prefill.memory_analysis()
+    w, kv, st = _shard_bytes(params), _shard_bytes(state.cache), _shard_bytes(state)
+    temp = max(dm.temp_size_in_bytes, pm.temp_size_in_bytes + pm.output_size_in_bytes)
+    total = dm.argument_size_in_bytes + temp + max(dm.output_size_in_bytes - dm.alias_size_in_bytes, 0)
+    part = Part("engine", total <= chip.hbm_bytes, compile_s, params_bytes=w, temp_bytes=temp,
+                other_bytes=total - w - st - temp, total_bytes=total, kv_bytes=kv, resident_bytes=w + st)
+    if cost:
+        # 2 and 3 layers: with 1, fusion differs enough to skew the per-layer difference
+        two, three = (np.array(_cost(eng_l._decoder(eng_l.width, False).lower(p_l, s_l).compile()))
+                      for eng_l, p_l, s_l in (_engine(cfg, vocab, devices, n, unroll=True) for n in (2, 3)))
+        part.flops, part.bytes_accessed = (float(v) for v in two + (cfg.model.n_layers - 2) * (three - two))
+    return part
+
+
 def _passes(cfg: C.Config) -> tuple[int, int]:
     """(forward+backward passes over the step's rows, extra forward-only passes)."""
     lc = cfg.learner
@@ -396,7 +469,7 @@ def suggest(cfg: C.Config, part: Part, chip: Chip, mesh: Mesh) -> list[str]:
 
 
 def plan(cfg: C.Config, topology_name: str, *, config_name: str = "", hbm_gib: float | None = None,
-         cost: bool = True) -> Report:
+         cost: bool = True, engine: bool = True) -> Report:
     devices, chip = topology(topology_name)
     if hbm_gib:
         chip = dataclasses.replace(chip, hbm_bytes=int(hbm_gib * GiB))
@@ -406,6 +479,14 @@ def plan(cfg: C.Config, topology_name: str, *, config_name: str = "", hbm_gib: f
         raise C.ConfigError("model.vocab_size=0: plan needs the vocabulary size (set it, or model.hf_path)")
     rep = Report(config_name, topology_name, chip, len(devices), dict(mesh.shape))
     rep.parts["learner"] = part = learner_part(cfg, vocab, mesh, chip, cost=cost)
+    if engine:
+        n = cfg.mesh.engine_devices
+        eng_devices = devices[len(devices) - n:] if n else devices
+        rep.parts["engine"] = ep = engine_part(cfg, vocab, eng_devices, chip, cost=cost)
+        if not n and part.fits and ep.fits:  # shared chips: each beside the other's resident state
+            part.resident_bytes = part.params_bytes + part.opt_bytes
+            part.fits = part.total_bytes + ep.resident_bytes <= chip.hbm_bytes
+            ep.fits = ep.total_bytes + part.resident_bytes <= chip.hbm_bytes
     if not part.fits:
         rep.knobs = suggest(cfg, part, chip, mesh)
     return rep
@@ -442,6 +523,28 @@ def format_report(rep: Report) -> str:
     if est["est_step_s"]:
         lines.append(f"ESTIMATE (roofline, no collectives): step {est['est_step_s']:.2f} s, {est['bound']}-bound, "
                      f"MFU bound {est['est_mfu']:.0%}")
+    ep = rep.parts.get("engine")
+    if ep is not None:
+        lines += format_engine(rep, ep)
     if rep.knobs:
         lines.append("does not fit; try: " + " ".join(rep.knobs))
     return "\n".join(lines)
+
+
+def format_engine(rep: Report, ep: Part) -> list[str]:
+    g = lambda b: f"{b / GiB:8.2f} GiB"
+    lines = [f"engine decode + prefill, per chip (compiled in {ep.compile_s:.1f} s):",
+             f"  weights          {g(ep.params_bytes)}", f"  KV cache         {g(ep.kv_bytes)}"]
+    if ep.error:
+        lines.append(f"  {ep.error}")
+    else:
+        lines += [f"  temporaries      {g(ep.temp_bytes)}", f"  other            {g(ep.other_bytes)}",
+                  f"  total            {g(ep.total_bytes)}"]
+    shared = " (beside the learner's state)" if "learner" in rep.parts and rep.parts["learner"].resident_bytes else ""
+    lines.append(f"  of HBM           {g(rep.chip.hbm_bytes)}  -> {'fits' if ep.fits else 'DOES NOT FIT'}{shared}")
+    if ep.bytes_accessed:
+        need = ep.params_bytes + ep.kv_bytes
+        lines.append(f"  decode step: {_si(ep.bytes_accessed, 'B')} accessed = {ep.bytes_accessed / need:.2f}x "
+                     f"(weights + KV cache); at {rep.chip.hbm_bandwidth / 1e9:,.0f} GB/s: "
+                     f"{ep.bytes_accessed / rep.chip.hbm_bandwidth * 1e3:.1f} ms")
+    return lines

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from . import faults
+from .engine import chunk_ends
 from .ledger import Group, Ledger, Sample, State
 
 
@@ -54,6 +55,7 @@ class Pump:
         self._stop = threading.Event()
         self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
         self._prefixes: dict[int, object] = {}  # ordinal -> prefill result shared by its samples
+        self._ended: dict[int, tuple] = {}  # slot -> its occupant that ended in the fetched, unrecorded chunk
         self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
         # wakes the pump the moment published weights are computed (it would otherwise find
         # out at its next poll, a delay on the critical path of every synchronous step)
@@ -122,6 +124,12 @@ class Pump:
     # ---- the loop (pump thread) ------------------------------------------------------------
 
     def _run(self) -> None:
+        """One chunk of `engine.steps_per_call` tokens per loop. After a chunk is fetched, only
+        its ends are found (vectorised) before the freed slots are refilled and the next
+        chunk dispatched; the tokens are recorded in the ledger while the device computes it.
+        Swaps and cuts need every slot free, and a slot is freed only when its sample's last
+        tokens are recorded, so no chunk is half-recorded when weights change or a cut is taken."""
+        fetched = None  # the last chunk on the host, ends found, not yet recorded
         try:
             self._reward_backlog()
             while not self._stop.is_set():
@@ -137,19 +145,43 @@ class Pump:
                         self.ledger.changed.wait(0.05)
                         self.stats.idle_s += time.perf_counter() - t0
                         continue
-                    params = self.params
+                    params, version = self.params, self.version
                 t0 = time.perf_counter()
                 self._insert(picks, params)
-                self.decode_state, toks, lps = self.engine.generate_steps(params, self.decode_state)
-                faults.delay("generate")
+                live = [None if occ is None or self._ended.get(slot) is occ else occ
+                        for slot, occ in enumerate(self.slots)]
+                chunk = None
+                if any(live):
+                    self._free_idle(live)
+                    self.decode_state, toks, lps = self.engine.generate_steps_async(params, self.decode_state)
+                    chunk = (toks, lps, live, version)
                 self.stats.busy_s += time.perf_counter() - t0
-                self.stats.calls += 1
-                faults.point("generate", self.stats.calls, self._progress)
-                self._record(np.asarray(toks), np.asarray(lps))
+                if fetched is not None:
+                    self._record(*fetched)  # meanwhile the device computes `chunk`
+                    fetched = None
+                if chunk is not None:
+                    t0 = time.perf_counter()
+                    fetched = self._fetch(*chunk)
+                    faults.delay("generate", self.engine.steps_per_call)
+                    self.stats.busy_s += time.perf_counter() - t0
+                    self.stats.calls += 1
+                    faults.point("generate", self.stats.calls, self._progress)
+            if fetched is not None:
+                self._record(*fetched)
         except BaseException as e:  # surfaced to the learner, which stops the run
             self.error = e
             with self.ledger.changed:
                 self.ledger.changed.notify_all()
+
+    def _free_idle(self, live: list) -> None:
+        """Frees engine slots whose sample ended and that nothing refilled: the decode window
+        follows the active slots' columns, and a finished slot would still count."""
+        active = self.engine.active_slots(self.decode_state)
+        if active is None:
+            return
+        for slot in np.flatnonzero(active):
+            if live[slot] is None:
+                self.decode_state = self.engine.free(self.decode_state, int(slot))
 
     def _maybe_swap(self) -> None:
         if self.deterministic:
@@ -219,7 +251,8 @@ class Pump:
 
     def _pick(self) -> list[tuple[int, Group, int]]:
         """(slot, group, sample) assignments for free slots; marks them in_engine (under the lock)."""
-        free = [i for i, s in enumerate(self.slots) if s is None]
+        # a slot whose sample ended in the fetched chunk is refilled before that chunk is recorded
+        free = [i for i, s in enumerate(self.slots) if s is None or self._ended.get(i) is s]
         if not free:
             return []
         if not self.partial and not self.deterministic and self._newest_ready() > self.version:
@@ -286,30 +319,43 @@ class Pump:
                       if g is None or all(s.started or s.done for s in g.samples)]:
                 del self._prefixes[o]
 
-    def _record(self, toks_KxS: np.ndarray, lps_KxS: np.ndarray) -> None:
+    def _fetch(self, toks_KxS, lps_KxS, live: list, version: int) -> tuple:
+        """Waits for a chunk and finds where each live sample ends in it (no ledger change).
+        Only the pump appends to a sample's tokens, so their count is read without the lock."""
+        toks_KxS, lps_KxS = np.asarray(toks_KxS), np.asarray(lps_KxS)
+        room_S = np.asarray([0 if occ is None else self.N - len(occ[0].samples[occ[1]].tokens) for occ in live])
+        take_S, ended_S = chunk_ends(toks_KxS, room_S, self._stops)
+        self._ended = {slot: occ for slot, occ in enumerate(live) if occ is not None and ended_S[slot]}
+        return toks_KxS, lps_KxS, live, version, take_S, ended_S
+
+    def _record(self, toks_KxS, lps_KxS, live: list, version: int, take_S, ended_S) -> None:
+        """Appends a fetched chunk's tokens, logprobs and version to their samples: the lists
+        are built outside the lock, which is held only to commit them."""
+        rows = []
+        for slot, occ in enumerate(live):
+            if occ is not None:
+                n = int(take_S[slot])
+                rows.append((slot, occ, toks_KxS[:n, slot].tolist(), lps_KxS[:n, slot].tolist(), [version] * n,
+                             bool(ended_S[slot])))
         finished: list[tuple[Group, Sample]] = []
-        stops = self._stops
         with self.ledger.changed:
-            for slot, occ in enumerate(self.slots):
-                if occ is None:
-                    continue
+            for slot, occ, toks, lps, versions, ended in rows:
                 g, si = occ
                 s = g.samples[si]
-                for k in range(toks_KxS.shape[0]):
-                    t = int(toks_KxS[k, slot])
-                    s.tokens.append(t)
-                    s.logprobs.append(float(lps_KxS[k, slot]))
-                    s.versions.append(self.version)
-                    self.stats.tokens += 1
-                    if t in stops or len(s.tokens) >= self.N:
-                        s.done, s.in_engine = True, False
+                s.tokens += toks
+                s.logprobs += lps
+                s.versions += versions
+                self.stats.tokens += len(toks)
+                if ended:
+                    s.done, s.in_engine = True, False
+                    if self.slots[slot] is occ:  # else refilled already, before this record
                         self.slots[slot] = None
-                        finished.append((g, s))
-                        break
+                    finished.append((g, s))
+            self._ended = {}
             self.ledger.changed.notify_all()
-        self._reward(finished)
+        self._reward(finished, version)
 
-    def _reward(self, finished: list[tuple[Group, Sample]]) -> None:
+    def _reward(self, finished: list[tuple[Group, Sample]], version: int | None = None) -> None:
         """Rewards outside the lock (user reward code may be slow), then marks READY groups."""
         scores = []
         for g, s in finished:
@@ -329,7 +375,7 @@ class Pump:
             for (g, s), r in zip(finished, scores):
                 s.reward = r
                 if g.state == State.READY:
-                    self.sampler.on_ready(g, self.version)
+                    self.sampler.on_ready(g, self.version if version is None else version)
             if records:
                 t0 = time.perf_counter()
                 journal.append(records)  # with the rewards: a checkpoint cut sees both or neither

@@ -99,6 +99,7 @@ def spec_for(shape: tuple[int, ...], axes: tuple | None, mesh: Mesh, skip: tuple
     out = []
     for dim, name in zip(shape, axes):
         m = RULES.get(name) if name else None
+        m = m if m in mesh.shape else None  # the engine mesh has no fsdp axis
         out.append(m if m and m not in skip and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
     return P(*out)
 

@@ -158,11 +158,12 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     vocab = cfg.model.vocab_size or tok.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
-    learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared)
+    learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size)
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
-                    seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call)
+                    seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call,
+                    tensor=cfg.engine.tensor, windows=not cfg.run.determinism)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc)
@@ -285,7 +286,7 @@ class Session:
         self.journal_compacted = self.step  # newest committed checkpoint the journal was compacted to
         if self.journal is not None and (line := self.journal.restore(self.ledger, self.sampler, self.step)):
             log(line)
-        params_e = self.engine.load_params(self.learner.publishable(self.state["params"]))
+        params_e = self.engine_params()
         self.engine.update_params(params_e, self.step)
         self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=self.engine, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -367,8 +368,10 @@ class Session:
         self.step += 1
         # publish before the groups leave the ledger: a gate that counts buffered groups
         # (fifo) must not let the pump start new work on the old weights in between
-        self.params_e = self.engine.load_params(self.learner.publishable(self.state["params"]))
+        t_publish = time.perf_counter()
+        self.params_e = self.engine_params()
         self.pump.publish(self.step, self.params_e)
+        publish_s = time.perf_counter() - t_publish
         if self.trained == 0 and self.primary:
             (self.parts.run_dir / "final.json").unlink(missing_ok=True)  # the run goes on past its end
         with ledger.lock:
@@ -382,6 +385,7 @@ class Session:
         self._mark_checkpointed()
         self._compact_journal()
         host = _host_metrics(batch, self.step, groups, ledger)
+        host["perf/publish_s"] = publish_s  # host time to dispatch the cast/reshard and hand it over
         host.update(self.rates.take(self.pump.stats, self.clock.idle_fraction(self.step)))
         if self.journal is not None:
             host.update(self.journal.metrics(self.pump.stats.busy_s))
@@ -391,6 +395,13 @@ class Session:
         if self.evaluator is not None and self.step % cfg.eval.every_steps == 0:
             host.update(self.evaluate())
         self.pending = (self.step, dev_metrics, host)
+
+    def engine_params(self):
+        """The weights as the engine reads them: `Engine.load_params` casts and reshards the
+        learner's layout into fresh buffers (safe from the donating step). Several processes
+        first gather this process's copy (`Learner.publishable`)."""
+        p = self.state["params"]
+        return self.engine.load_params(self.learner.publishable(p) if self.pc > 1 else p)
 
     def evaluate(self) -> dict:
         """Held-out scores of the weights after this step (in this step's metrics row)."""

@@ -32,9 +32,24 @@ Scenarios (the exact command of every run is printed):
              where speed comes from. Target: lookahead 1 >= 1.3x lookahead 0.
   keeps_up   a 2x wider, 2x deeper model than tiny with all 256 samples of a step decoded at
              once (256 slots, one wave): generation takes a small share of a learner step.
-             Target: learner idle <= 10% at lookahead >= 1.
+             Target: learner idle <= 10% at lookahead >= 1. One more row at L=1 runs
+             engine.steps_per_call=1 (the previous default: a host sync per token); the
+             pump's generated tokens/s per second not idle ('gen tok/s', from
+             rollout/generated_tokens and perf/pump_idle_frac) at the default vs that row:
+             target >= 2x. (That row's recording overlaps the next call too, which the
+             previous pump did not do, so the ratio understates the gain over it.)
+  tiny       the tiny preset as it is, engine and learner on one forced CPU device each, at
+             L=1 with the default engine.steps_per_call and with 1: the same pump
+             tokens/s ratio as in keeps_up, where per-token host work weighs more.
+  disjoint_sim  a SIMULATION of disjoint hardware (bench/pipeline_sim.py): engine and
+             learner are simulated remote devices whose work is a wait that releases the
+             GIL, around the real pump, ledger, sampler and publishing, in one process; they
+             cannot contend for cores, so what is left is what the software serialises.
+             Generating a step costs as much as a learner step (--sim-step-ms). Target:
+             lookahead 1 >= 1.8x lookahead 0 (the limit is 2x).
 
-    python bench/async.py                                   # both scenarios, in_order 0,1,2
+    python bench/async.py                                   # every scenario, in_order 0,1,2
+    python bench/async.py --scenarios disjoint_sim          # the simulation alone (about a minute)
     python bench/async.py --scenarios balanced --steps 60 --repeats 3
     python bench/async.py --samplers in_order,fifo --staleness 1,2
 """
@@ -71,6 +86,16 @@ SCENARIOS = {
         "about": "model 2x wider and 2x deeper than tiny (d 128, 4 layers, ff 512), 256 engine slots; "
                  "engine on 1 forced CPU device, learner on the other",
         "target": ("learner_idle", 1, 0.10),  # learner device idle <= 10% at lookahead >= 1
+        # the previous default, one token per engine call, beside the default at L=1: pump tokens/s ratio
+        "variants": {"steps_per_call=1": (1, ["engine.steps_per_call=1"])},
+    },
+    "tiny": {
+        "devices": 2,
+        "overrides": ["mesh.engine_devices=1"],
+        "about": "the tiny preset as it is (d 64, 2 layers, 64 engine slots); engine on 1 forced CPU device, "
+                 "learner on the other",
+        "target": None,  # only the steps_per_call comparison below
+        "variants": {"steps_per_call=1": (1, ["engine.steps_per_call=1"])},
     },
 }
 # Row knob per sampler: in_order bounds run-ahead in steps, the others staleness in versions.
@@ -78,6 +103,8 @@ KNOB = {"in_order": "sampler.max_lookahead", "fifo": "sampler.max_staleness", "w
 REGEN_KEY = "perf/regen_tokens_per_1k"  # cumulative: 1000 * regenerated / trained tokens since start
 TRAINED_KEY = "rollout/completion_tokens"  # tokens trained in the step (0 or absent: all filtered)
 TRACE = "bench_learner_trace.jsonl"
+GEN_SPEEDUP_TARGET = 2.0  # keeps_up: pump tokens/s, default steps_per_call vs 1
+SIM_TARGET = 1.8  # disjoint_sim: lookahead 1 vs 0 steps/s (the limit is 2x)
 
 
 def parse_args():
@@ -85,7 +112,8 @@ def parse_args():
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--config", default="configs/tiny.yaml", help="preset every scenario starts from")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    ap.add_argument("--scenarios", default=",".join([*SCENARIOS, "disjoint_sim"]),
+                    help=f"comma list of {', '.join(SCENARIOS)}, disjoint_sim")
     ap.add_argument("--samplers", default="in_order", help="comma list of in_order, fifo, windowed")
     ap.add_argument("--lookaheads", default="0,1,2", help="in_order: sampler.max_lookahead values")
     ap.add_argument("--staleness", default="1,2", help="fifo/windowed: sampler.max_staleness values")
@@ -102,6 +130,9 @@ def parse_args():
     ap.add_argument("--keep", default="", help="keep run directories under this path (default: temp, deleted)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run before it is killed")
     ap.add_argument("--verbose", action="store_true", help="echo each run's stderr")
+    ap.add_argument("--sim-step-ms", type=float, default=200.0,
+                    help="disjoint_sim: simulated cost of a learner step, and of generating a step's samples")
+    ap.add_argument("--sim-steps", type=int, default=20, help="disjoint_sim: steps per run")
     return ap.parse_args()
 
 
@@ -205,6 +236,17 @@ def regen_per_1k(rows: list[dict], lo: int, hi: int) -> float | None:
     return 1000.0 * (regen(hi) - regen(lo)) / dt if dt > 0 else None
 
 
+def generation_rate(rows: list[dict], lo: int, hi: int) -> float | None:
+    """Tokens the pump generated per second it was not idle, over steps (lo, hi]."""
+    by = {r["step"]: r for r in rows}
+    if any(by.get(s, {}).get("rollout/generated_tokens") is None for s in (lo, hi)):
+        return None
+    active = sum(r["perf/step_time_s"] * (1.0 - (r.get("perf/pump_idle_frac") or 0.0))
+                 for r in rows if lo < r["step"] <= hi)
+    tokens = by[hi]["rollout/generated_tokens"] - by[lo]["rollout/generated_tokens"]
+    return tokens / active if active > 0 else None
+
+
 def analyse(rows: list[dict], trace: list[dict], warmup: int) -> dict:
     rows = common.with_elapsed(rows)
     last = rows[-1]["step"]
@@ -224,6 +266,7 @@ def analyse(rows: list[dict], trace: list[dict], warmup: int) -> dict:
     out["stale_max"] = max(st_max) if st_max else None
     out["regen_per_1k"] = regen_per_1k(rows, lo, last)
     out["reward_last"] = win[-1].get("rollout/reward_mean")
+    out["gen_tps"] = generation_rate(rows, lo, last)
     return out
 
 
@@ -237,10 +280,11 @@ def mean_run(runs: list[dict]) -> dict:
     return out
 
 
-def run_row(args, scen: dict, sampler: str, knob: int, run_dir: Path, cache: str) -> tuple[dict | None, str, str]:
+def run_row(args, scen: dict, sampler: str, knob: int, run_dir: Path, cache: str,
+            extra: list[str] = ()) -> tuple[dict | None, str, str]:
     overrides = [f"run.dir={run_dir}", "run.resume=never", f"run.compilation_cache={cache}",
                  f"train.max_steps={args.steps}", "checkpoint.every_steps=0", *common.QUIET,
-                 *scen["overrides"], *row_overrides(sampler, knob), *args.set]
+                 *scen["overrides"], *row_overrides(sampler, knob), *extra, *args.set]
     cli_argv = common.train_argv(args.config, overrides)[1:]  # -m async_rl train ...
     trace = run_dir / TRACE
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -258,6 +302,113 @@ def run_row(args, scen: dict, sampler: str, knob: int, run_dir: Path, cache: str
     return m, cmd, ""
 
 
+def run_scenario(args, sname: str, samplers: list[str], knobs: dict, root: Path, cache: str) -> list[str]:
+    """Every row of one real-training scenario, interleaved over repeats; prints the table, returns verdicts."""
+    scen = SCENARIOS[sname]
+    print(f"\n== {sname}: {scen['about']}", flush=True)
+    variants = scen.get("variants", {})  # label -> (lookahead, overrides): extra in_order rows
+    cells = [(sampler, knob, "") for sampler in samplers for knob in knobs[sampler]]
+    cells += [("in_order", knob, label) for label, (knob, _) in variants.items() if "in_order" in samplers]
+    runs: dict = {c: [] for c in cells}
+    notes: dict = {}
+    for rep in range(args.repeats):  # interleaved, so slow drift in machine load hits every row alike
+        for c in cells:
+            if c in notes:
+                continue
+            sampler, knob, label = c
+            extra = variants[label][1] if label else []
+            m, cmd, note = run_row(args, scen, sampler, knob, root / f"{sname}_{sampler}_{knob}{label}_{rep}", cache,
+                                   extra)
+            if rep == 0:
+                print(f"  $ {cmd}", flush=True)
+            if m is None:
+                notes[c] = note
+                print(f"    failed: {note}", flush=True)
+                continue
+            runs[c].append(m)
+            print(f"    run {rep + 1}: wall {m['wall_s']:.0f} s, first step {m['first_step_s']:.1f} s, "
+                  f"window steps {m['window'][0] + 1}..{m['window'][1]}: {m['steps_per_s']:.2f} steps/s, "
+                  f"pump generates {common.fmt(m['gen_tps'], ',.0f')} tokens/s", flush=True)
+    results = []
+    for c in cells:
+        rs = sorted(runs[c], key=lambda r: r["steps_per_s"])
+        results.append((c, mean_run(rs) if rs else None, rs))
+    print_results(results)
+    return verdicts_of(sname, scen, results)
+
+
+def print_results(results: list) -> None:
+    base = next((m for c, m, _ in results if c == ("in_order", 0, "") and m), None)
+    table = []
+    for (sampler, knob, label), m, rs in results:
+        name = (f"L={knob}" if sampler == "in_order" else f"S={knob}") + (f" {label}" if label else "")
+        if m is None:
+            table.append([sampler, name, "failed"] + ["-"] * 11)
+            continue
+        ratio = m["steps_per_s"] / base["steps_per_s"] if base and base["steps_per_s"] else None
+        spread = (f"{rs[0]['steps_per_s']:.2f}-{rs[-1]['steps_per_s']:.2f}" if len(rs) > 1 else "")
+        table.append([sampler, name, common.fmt(m["steps_per_s"], ".2f"), spread,
+                      (common.fmt(ratio, ".2f") + "x") if ratio else "-",
+                      common.fmt(m["learner_idle"], ".1%"), common.fmt(m["learner_wait"], ".1%"),
+                      common.fmt(None if m["step_s"] is None else m["step_s"] * 1e3, ".0f"),
+                      common.fmt(m["pump_idle"], ".1%"), common.fmt(m["gen_tps"], ",.0f"),
+                      common.fmt(m["stale_mean"], ".2f"), common.fmt(m["stale_max"], ".0f"),
+                      common.fmt(m["regen_per_1k"], ".1f"), common.fmt(m["reward_last"], ".2f")])
+    print()
+    common.print_table(["sampler", "lookahead/staleness", "steps/s", "range", "vs in_order L0", "learner idle",
+                        "idle_frac", "step ms", "pump idle", "gen tok/s", "stale mean", "stale max", "regen/1k",
+                        "reward"], table, align="<<>>>>>>>>>>>>")
+
+
+def verdicts_of(sname: str, scen: dict, results: list) -> list[str]:
+    out = []
+    get = lambda knob, label="": next((m for c, m, _ in results if c == ("in_order", knob, label) and m), None)
+    base = get(0)
+    kind, knob, thr = scen["target"] or (None, 0, 0)
+    row = get(knob)
+    if kind is None:
+        pass
+    elif kind == "ratio":
+        val = row["steps_per_s"] / base["steps_per_s"] if row and base else None
+        ok = val is not None and val >= thr
+        out.append(f"{sname}: in_order L={knob} vs L=0 = {common.fmt(val, '.2f')}x; target >= {thr}x: "
+                   f"{'met' if ok else 'NOT met'}")
+    else:
+        rows_k = [(c[1], m) for c, m, _ in results if c[0] == "in_order" and not c[2] and c[1] >= knob and m]
+        vals = ", ".join(f"L={k} {common.fmt(m['learner_idle'], '.1%')}" for k, m in rows_k)
+        ok = bool(rows_k) and all(m["learner_idle"] is not None and m["learner_idle"] <= thr for _, m in rows_k)
+        out.append(f"{sname}: steady-state learner idle {vals}; target <= {thr:.0%}: {'met' if ok else 'NOT met'}")
+    for label, (k, _) in scen.get("variants", {}).items():
+        new, old = get(k), get(k, label)
+        val = new["gen_tps"] / old["gen_tps"] if new and old and new["gen_tps"] and old["gen_tps"] else None
+        ok = val is not None and val >= GEN_SPEEDUP_TARGET
+        out.append(f"{sname}: pump generation tokens/s at L={k}, the default engine.steps_per_call vs {label} "
+                   f"= {common.fmt(val, '.2f')}x; target >= {GEN_SPEEDUP_TARGET:.1f}x: {'met' if ok else 'NOT met'}")
+    return out
+
+
+def run_simulation(args) -> list[str]:
+    """The disjoint-hardware simulation (bench/pipeline_sim.py): lookahead 0 vs 1, interleaved repeats."""
+    import pipeline_sim
+    cost = args.sim_step_ms / 1e3
+    print(f"\n== disjoint_sim: SIMULATION of disjoint hardware: the engine and the learner are simulated remote "
+          f"devices whose work is a GIL-releasing wait ({args.sim_step_ms:.0f} ms to generate a step's samples, "
+          f"{args.sim_step_ms:.0f} ms per learner step), around the real pump, ledger, in_order sampler and "
+          f"publishing; {args.sim_steps} steps per run, window ({args.warmup}, last]", flush=True)
+    got: dict = {0: [], 1: []}
+    for _ in range(args.repeats):
+        for la in got:
+            got[la].append(pipeline_sim.run(la, step_s=cost, steps=args.sim_steps, warmup=args.warmup)["steps_per_s"])
+    ideal = {0: 1 / (2 * cost), 1: 1 / cost}
+    mean = {la: statistics.fmean(v) for la, v in got.items()}
+    common.print_table(["sampler", "lookahead", "steps/s", "range", "ideal steps/s", "vs L0"],
+                       [["in_order", f"L={la}", f"{mean[la]:.2f}", f"{min(v):.2f}-{max(v):.2f}", f"{ideal[la]:.2f}",
+                         f"{mean[la] / mean[0]:.2f}x"] for la, v in got.items()], align="<<>>>>")
+    ratio = mean[1] / mean[0]
+    return [f"disjoint_sim (simulation of disjoint hardware): in_order L=1 vs L=0 = {ratio:.2f}x (limit 2x); "
+            f"target >= {SIM_TARGET}x: {'met' if ratio >= SIM_TARGET else 'NOT met'}"]
+
+
 def main():
     args = parse_args()
     t_all = time.perf_counter()
@@ -265,13 +416,13 @@ def main():
     scen_names = [s for s in args.scenarios.split(",") if s]
     samplers = [s for s in args.samplers.split(",") if s]
     for s in scen_names:
-        if s not in SCENARIOS:
-            sys.exit(f"--scenarios: unknown {s!r} (known: {', '.join(SCENARIOS)})")
+        if s not in SCENARIOS and s != "disjoint_sim":
+            sys.exit(f"--scenarios: unknown {s!r} (known: {', '.join(SCENARIOS)}, disjoint_sim)")
     for s in samplers:
         if s not in KNOB:
             sys.exit(f"--samplers: unknown {s!r} (known: {', '.join(KNOB)})")
-    if args.steps <= args.warmup + 2:
-        sys.exit(f"--steps={args.steps}: must exceed --warmup + 2 ({args.warmup + 2})")
+    if args.steps <= args.warmup + 2 or args.sim_steps <= args.warmup + 2:
+        sys.exit(f"--steps={args.steps}, --sim-steps={args.sim_steps}: must exceed --warmup + 2 ({args.warmup + 2})")
     knobs = {s: [int(x) for x in (args.lookaheads if s == "in_order" else args.staleness).split(",") if x]
              for s in samplers}
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_async_"))
@@ -282,71 +433,17 @@ def main():
           f"{args.config}; {args.steps} steps per run, steady-state window = steps ({args.warmup}, last]; "
           f"{args.repeats} run(s) per row"
           + (f"; extra overrides {args.set}" if args.set else ""))
-    ceiling = parallel_ceiling()
-    print(f"device-parallel ceiling on this machine: the same jitted matmul loop on 2 forced CPU devices from 2 "
-          f"threads runs {common.fmt(ceiling, '.2f')}x faster than one device after the other (what disjoint "
-          "engine/learner devices can overlap at most here)")
+    if any(s in SCENARIOS for s in scen_names):
+        ceiling = parallel_ceiling()
+        print(f"device-parallel ceiling on this machine: the same jitted matmul loop on 2 forced CPU devices from 2 "
+              f"threads runs {common.fmt(ceiling, '.2f')}x faster than one device after the other (what disjoint "
+              "engine/learner devices can overlap at most here)")
     verdicts = []
     for sname in scen_names:
-        scen = SCENARIOS[sname]
-        print(f"\n== {sname}: {scen['about']}", flush=True)
-        cells = [(sampler, knob) for sampler in samplers for knob in knobs[sampler]]
-        runs: dict = {c: [] for c in cells}
-        notes: dict = {}
-        cmds: dict = {}
-        for rep in range(args.repeats):  # interleaved, so slow drift in machine load hits every row alike
-            for sampler, knob in cells:
-                if (sampler, knob) in notes:
-                    continue
-                m, cmd, note = run_row(args, scen, sampler, knob, root / f"{sname}_{sampler}_{knob}_{rep}", cache)
-                cmds[(sampler, knob)] = cmd
-                if rep == 0:
-                    print(f"  $ {cmd}", flush=True)
-                if m is None:
-                    notes[(sampler, knob)] = note
-                    print(f"    failed: {note}", flush=True)
-                    continue
-                runs[(sampler, knob)].append(m)
-                print(f"    run {rep + 1}: wall {m['wall_s']:.0f} s, first step {m['first_step_s']:.1f} s, "
-                      f"window steps {m['window'][0] + 1}..{m['window'][1]}: {m['steps_per_s']:.2f} steps/s",
-                      flush=True)
-        results = []
-        for c in cells:
-            rs = sorted(runs[c], key=lambda r: r["steps_per_s"])
-            results.append((*c, mean_run(rs) if rs else None, rs))
-        base = next((m for s, k, m, _ in results if s == "in_order" and k == 0 and m), None)
-        table = []
-        for sampler, knob, m, rs in results:
-            label = f"L={knob}" if sampler == "in_order" else f"S={knob}"
-            if m is None:
-                table.append([sampler, label, "failed"] + ["-"] * 10)
-                continue
-            ratio = m["steps_per_s"] / base["steps_per_s"] if base and base["steps_per_s"] else None
-            spread = (f"{rs[0]['steps_per_s']:.2f}-{rs[-1]['steps_per_s']:.2f}" if len(rs) > 1 else "")
-            table.append([sampler, label, common.fmt(m["steps_per_s"], ".2f"), spread,
-                          (common.fmt(ratio, ".2f") + "x") if ratio else "-",
-                          common.fmt(m["learner_idle"], ".1%"), common.fmt(m["learner_wait"], ".1%"),
-                          common.fmt(None if m["step_s"] is None else m["step_s"] * 1e3, ".0f"),
-                          common.fmt(m["pump_idle"], ".1%"), common.fmt(m["stale_mean"], ".2f"),
-                          common.fmt(m["stale_max"], ".0f"), common.fmt(m["regen_per_1k"], ".1f"),
-                          common.fmt(m["reward_last"], ".2f")])
-        print()
-        common.print_table(["sampler", "lookahead/staleness", "steps/s", "range", "vs in_order L0", "learner idle",
-                            "idle_frac", "step ms", "pump idle", "stale mean", "stale max", "regen/1k",
-                            "reward"], table, align="<<>>>>>>>>>>>")
-        kind, knob, thr = scen["target"]
-        row = next((m for s, k, m, _ in results if s == "in_order" and k == knob and m), None)
-        if kind == "ratio":
-            val = row["steps_per_s"] / base["steps_per_s"] if row and base else None
-            ok = val is not None and val >= thr
-            verdicts.append(f"{sname}: in_order L={knob} vs L=0 = {common.fmt(val, '.2f')}x; target >= {thr}x: "
-                            f"{'met' if ok else 'NOT met'}")
+        if sname == "disjoint_sim":
+            verdicts += run_simulation(args)
         else:
-            rows_k = [(k, m) for s, k, m, _ in results if s == "in_order" and k >= knob and m]
-            vals = ", ".join(f"L={k} {common.fmt(m['learner_idle'], '.1%')}" for k, m in rows_k)
-            ok = bool(rows_k) and all(m["learner_idle"] is not None and m["learner_idle"] <= thr for _, m in rows_k)
-            verdicts.append(f"{sname}: steady-state learner idle {vals}; target <= {thr:.0%}: "
-                            f"{'met' if ok else 'NOT met'}")
+            verdicts += run_scenario(args, sname, samplers, knobs, root, cache)
     print()
     for v in verdicts:
         print(v)

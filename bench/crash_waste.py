@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from async_rl import config as C  # noqa: E402
 
 FAULT = re.compile(r"fault: SIGKILL at generate:(\d+) generated_tokens=(\d+) in_flight_tokens=(\d+)")
 
@@ -128,7 +129,8 @@ def main() -> None:
     base = job.run("uninterrupted", [], [])
     steps = base["last"]["step"]
     slots = 64  # the preset's engine.max_concurrent_decodes
-    calls = base["generated"] / slots  # roughly: the slots stay full
+    k = C.EngineConfig().steps_per_call  # tokens per slot per engine call (the default)
+    calls = base["generated"] / (slots * k)  # roughly: the slots stay full
     rng = random.Random(args.seed)
     kills = [int(rng.uniform(args.min_frac, args.max_frac) * calls) for _ in range(args.kills)]
     print(f"  kill after engine calls {kills} of each session (~{calls / steps:.0f} calls per step)", flush=True)

@@ -1,13 +1,26 @@
-"""Decode throughput: the KV-cache engine vs. full-recompute decoding, on one model shape.
+"""Decode throughput: the engine vs. a static-batch KV-cache decoder, and vs. full recompute.
 
-Owns: timing and the printed table. Does not own: any model or engine logic.
+Owns: timing, the static-batch baseline and the printed tables. Does not own: any model
+or engine logic.
 
-The naive baseline recomputes the whole fixed-width row (P + N columns, as in the shared
-layout, so it compiles once) for every new token, batched over the same sequences. Its
-step cost does not depend on how many tokens exist yet, so timing a few steps and
-multiplying is exact up to timer noise; the table says when it was extrapolated.
+Fair baseline (first table): the same sequences (prompts x samples, each with a length)
+through (a) a static-batch decoder in the shape of flax's gemma sampler: one jitted call
+prefills a batch of rows at width P and decodes them in one `lax.while_loop` with a KV
+cache until every row reached its length (a finished row idles; nothing refills it), and
+(b) the engine's continuous batching (`generate_all`, `engine.steps_per_call` tokens per
+call, freed slots refilled). Equal batch (rows = slots); both sample with the same keys,
+include prefill, and count only the tokens up to each row's length. `equal lengths`: every
+row runs N tokens (target: engine >= 1.0x); `varied lengths`: each row's length is drawn
+uniformly from [1, N], standing in for EOS at random points as in RL (the engine learns of
+an end when it reads the chunk, as with EOS; target: engine >= 1.5x).
 
-    python bench/engine.py                      # small preset, 32 sequences x 128 tokens
+Full recompute (second table): recomputes the whole fixed-width row (P + N columns, as
+in the shared layout, so it compiles once) for every new token, batched over the same
+sequences. Its step cost does not depend on how many tokens exist yet, so timing a few
+steps and multiplying is exact up to timer noise; the table says when it was extrapolated.
+
+    python bench/engine.py                      # small preset, 32 slots, up to 128 tokens
+    python bench/engine.py --config configs/tiny.yaml --new-tokens 64 --waves 8
     python bench/engine.py --naive-steps 2 --dtype bfloat16
 """
 
@@ -21,13 +34,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from async_rl import config as cfg_lib
 import common  # noqa: E402  (bench/common.py, beside this file)
-from async_rl.engine import Engine, sample_token, token_key
+from async_rl.engine import Engine, generate_all, sample_token, token_key
 from async_rl.model import Transformer, layout
 
 
@@ -42,6 +56,11 @@ def parse_args():
     ap.add_argument("--prompt-len", type=int, default=0, help="max prompt length P; 0 = the preset's")
     ap.add_argument("--naive-steps", type=int, default=3,
                     help="full-recompute steps actually timed (0 = all --new-tokens)")
+    ap.add_argument("--samples", type=int, default=8,
+                    help="fair baseline: samples per prompt (the GRPO group; the engine prefills a prompt once)")
+    ap.add_argument("--waves", type=int, default=4, help="fair baseline: sequences = waves x --sequences")
+    ap.add_argument("--repeats", type=int, default=2, help="fair baseline: runs of each decoder; the fastest counts")
+    ap.add_argument("--steps-per-call", type=int, default=0, help="engine K; 0 = the config default")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -102,6 +121,89 @@ def run_naive(graphdef, params, prompts, p: int, new_tokens: int, steps: int, se
     return compile_s, per_step, step._cache_size()
 
 
+def static_decoder(graphdef, seed: int, p: int, n_new: int):
+    """The static-batch baseline (the shape of flax's gemma sampler): one jitted call that
+    prefills a batch of prompts at width P, then decodes every row in one `lax.while_loop`
+    with a KV cache until all rows ended (per-row length) or N tokens. A row that ends
+    early idles until the batch's longest row is done; nothing can take its place."""
+    sample = jax.vmap(functools.partial(sample_token, temperature=1.0, top_k=0, top_p=1.0))
+
+    @jax.jit
+    def run(params, tokens_BxP, positions_BxP, valid_BxP, starts_B, ordinals_B, samples_B, limits_B):
+        model = nnx.merge(graphdef, params)
+        b = tokens_BxP.shape[0]
+        logits_BxV, cache = model.prefill_at(tokens_BxP, positions_BxP, valid_BxP, jnp.full((b,), p - 1))
+        cache = jax.tree.map(lambda c: jnp.pad(c, ((0, 0), (0, 0), (0, n_new)) + ((0, 0),) * (c.ndim - 3)), cache)
+
+        def cond(c):
+            n, _, _, _, _, done_B = c
+            return (n < n_new) & ~jnp.all(done_B)
+
+        def body(c):
+            n, cache, logits_BxV, toks_BxN, lps_BxN, done_B = c
+            keys = jax.vmap(lambda o, s: token_key(seed, o, s, n))(ordinals_B, samples_B)
+            tok_B, lp_B = sample(logits_BxV, keys)
+            toks_BxN, lps_BxN = toks_BxN.at[:, n].set(tok_B), lps_BxN.at[:, n].set(lp_B)
+            done_B = done_B | (n + 1 >= limits_B)
+            cols_B = jnp.full((b,), p + n, jnp.int32)
+            logits_BxV, cache = model.decode(tok_B, cols_B - starts_B, cols_B, starts_B, cache)
+            return n + 1, cache, logits_BxV, toks_BxN, lps_BxN, done_B
+
+        init = (jnp.int32(0), cache, logits_BxV, jnp.zeros((b, n_new), jnp.int32), jnp.zeros((b, n_new), jnp.float32),
+                jnp.zeros((b,), bool))
+        n, _, _, toks_BxN, lps_BxN, _ = jax.lax.while_loop(cond, body, init)
+        return toks_BxN, lps_BxN, n
+    return run
+
+
+def run_static(run, params, rows, p: int, batch: int):
+    """rows: (prompt, ordinal, sample, limit) per sequence, decoded in batches of `batch` rows.
+    Returns (seconds, decode steps summed over batches, useful tokens)."""
+    t0 = time.perf_counter()
+    steps = useful = 0
+    for b0 in range(0, len(rows), batch):
+        part = rows[b0:b0 + batch]
+        part = part + [part[-1]] * (batch - len(part))  # a short last batch keeps the compiled shape
+        tokens = np.zeros((batch, p), np.int32)
+        pos, valid, starts = [], [], []
+        for r, (x, _, _, _) in enumerate(part):
+            tokens[r, p - len(x):] = x
+            st, ps, vl = layout(len(x), p, p)
+            pos.append(ps), valid.append(vl), starts.append(st)
+        toks, _, n = run(params, tokens, np.stack(pos), np.stack(valid), np.asarray(starts, np.int32),
+                         np.asarray([r[1] for r in part], np.int32), np.asarray([r[2] for r in part], np.int32),
+                         np.asarray([r[3] for r in part], np.int32))
+        toks = np.asarray(toks)  # the host holds the batch's tokens before the next one starts
+        steps += int(n)
+        useful += sum(r[3] for r in rows[b0:b0 + batch])
+    return time.perf_counter() - t0, steps, useful
+
+
+def run_continuous(eng: Engine, params, prompts, samples: int, limits):
+    t0 = time.perf_counter()
+    out = generate_all(eng, params, prompts, samples=samples, eos_id=None, max_tokens=limits)
+    dt = time.perf_counter() - t0
+    useful = sum(len(c.tokens) for per in out for c in per)
+    assert useful == sum(map(sum, limits)), (useful, sum(map(sum, limits)))
+    return dt, useful
+
+
+def compare(name: str, eng: Engine, ep, run, prompts, samples: int, limits, p: int, batch: int, repeats: int):
+    """Both decoders on the same rows (prompt x sample, ordinal = prompt index, its length
+    limit), alternating, `repeats` times each; the fastest run of each counts (the others
+    were slowed by whatever else ran on the machine)."""
+    rows = [(x, i, s, limits[i][s]) for i, x in enumerate(prompts) for s in range(samples)]
+    st, en = [], []
+    for _ in range(repeats):
+        st.append(run_static(run, ep, rows, p, batch))
+        en.append(run_continuous(eng, ep, prompts, samples, limits))
+    st_s, st_steps, st_useful = min(st)
+    en_s, en_useful = min(en)
+    assert st_useful == en_useful
+    return {"name": name, "static_tps": st_useful / st_s, "engine_tps": en_useful / en_s, "static_s": st_s,
+            "engine_s": en_s, "tokens": en_useful, "static_steps": st_steps}
+
+
 def main():
     args = parse_args()
     cfg = cfg_lib.load(args.config)
@@ -113,15 +215,30 @@ def main():
     rs = np.random.RandomState(args.seed)
     prompts = [rs.randint(0, args.vocab, rs.randint(p // 2, p + 1)).astype(np.int32) for _ in range(s)]
     dev = jax.devices()[:1]
+    k = args.steps_per_call or cfg_lib.EngineConfig().steps_per_call
 
     eng = Engine(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
-                 temperature=1.0, top_k=0, top_p=1.0, seed=args.seed, devices=dev)
+                 temperature=1.0, top_k=0, top_p=1.0, seed=args.seed, devices=dev, steps_per_call=k)
     ep = eng.load_params(params)
     t0 = time.perf_counter()
     run_engine(eng, ep, prompts[:1], 1)  # compiles prefill, insert, generate
+    generate_all(eng, ep, prompts[:1], eos_id=None, max_tokens=[[1]])  # and the K-step call, free
     eng_compile = time.perf_counter() - t0
     prefill_s, decode_s = run_engine(eng, ep, prompts, n_new)
     eng_counts = eng.compile_counts()
+
+    # Fair baseline: the same rows through a static-batch KV-cache decoder and the engine.
+    g = args.samples
+    n_prompts = args.waves * s // g
+    base_prompts = [rs.randint(0, args.vocab, rs.randint(p // 2, p + 1)).astype(np.int32) for _ in range(n_prompts)]
+    run = static_decoder(graphdef, args.seed, p, n_new)
+    t0 = time.perf_counter()
+    run_static(run, ep, [(base_prompts[0], 0, 0, 1)], p, s)
+    static_compile = time.perf_counter() - t0
+    equal = [[n_new] * g for _ in range(n_prompts)]
+    varied = rs.randint(1, n_new + 1, (n_prompts, g)).tolist()  # per sequence, like an EOS drawn at random
+    comps = [compare(name, eng, ep, run, base_prompts, g, lim, p, s, args.repeats)
+             for name, lim in (("equal lengths", equal), ("varied lengths", varied))]
 
     steps = args.naive_steps or n_new
     steps = min(steps, n_new - 1)
@@ -132,25 +249,39 @@ def main():
     eng_e2e_tps = tokens / (decode_s + prefill_s)
     naive_tps = s / naive_step
     extrap = "measured" if steps >= n_new - 1 else f"{steps} steps timed, x{n_new} extrapolated"
+    print(f"model: {args.config} model section, {n_params / 1e6:.1f}M params, vocab {args.vocab}, "
+          f"{args.dtype} on {jax.default_backend()} ({dev[0].device_kind}), "
+          f"{model_cfg.n_layers} layers d={model_cfg.d_model} H={model_cfg.n_heads} "
+          f"Hkv={model_cfg.n_kv_heads} F={model_cfg.d_ff}")
+    print(f"compile: engine {eng_compile:.1f} s (prefill+insert+generate, K={k}), static batch {static_compile:.1f} s, "
+          f"naive {naive_compile:.1f} s (incl. first step)")
+
+    print(f"\nfair baseline: {n_prompts} prompts x {g} samples = {n_prompts * g} sequences, batch = slots = {s}, "
+          f"prompt width P={p}, up to N={n_new} tokens, temperature 1; both end a sequence at its length, "
+          f"count only those tokens, and include prefill; fastest of {args.repeats} alternating runs each")
+    rows = []
+    for c in comps:
+        rows.append([c["name"], "static batch, KV cache, lax.while_loop", f"{c['static_tps']:,.0f}",
+                     f"{c['static_s']:.2f} s", f"{c['static_steps']} decode steps"])
+        rows.append([c["name"], f"engine, continuous batching (generate_all, K={k})", f"{c['engine_tps']:,.0f}",
+                     f"{c['engine_s']:.2f} s", f"{c['tokens']} useful tokens"])
+    common.print_table(["lengths", "decoder", "useful tok/s", "time", "work"], rows, align="<<>><")
+    for c, thr in zip(comps, (1.0, 1.5)):
+        r = c["engine_tps"] / c["static_tps"]
+        print(f"{c['name']}: engine vs static batch {r:.2f}x   target >= {thr:.1f}x: {'met' if r >= thr else 'NOT met'}")
+
+    print(f"\nvs full recompute: {s} sequences x {n_new} new tokens (no EOS stop), row width {p + n_new}")
     rows = [
-        ("engine (KV cache), decode steps", f"{eng_tps:,.0f}", f"{decode_s:.2f} s", "measured",
+        ("engine (KV cache), decode steps, one sync per token", f"{eng_tps:,.0f}", f"{decode_s:.2f} s", "measured",
          f"{eng_counts['generate']}"),
         ("engine incl. prefill+insert", f"{eng_e2e_tps:,.0f}", f"{decode_s + prefill_s:.2f} s", "measured",
          f"prefill {eng_counts['prefill']}, insert {eng_counts['insert']}"),
         ("naive full recompute, batched", f"{naive_tps:,.1f}", f"{naive_step * n_new:.1f} s", extrap,
          f"{naive_count}"),
     ]
-    print(f"model: {args.config} model section, {n_params / 1e6:.1f}M params, vocab {args.vocab}, "
-          f"{args.dtype} on {jax.default_backend()} ({dev[0].device_kind}), "
-          f"{model_cfg.n_layers} layers d={model_cfg.d_model} H={model_cfg.n_heads} "
-          f"Hkv={model_cfg.n_kv_heads} F={model_cfg.d_ff}")
-    print(f"work: {s} sequences x {n_new} new tokens (no EOS stop), prompt width P={p}, row width {p + n_new}, "
-          f"temperature 1")
-    print(f"compile: engine {eng_compile:.1f} s (prefill+insert+generate), naive {naive_compile:.1f} s "
-          f"(incl. first step)")
     head = ("path", "tokens/s", f"{tokens} tok", "timing", "compilations")
     common.print_table(list(head), [list(r) for r in rows], align="<" * len(head))
-    print(f"speedup (engine decode vs naive): {eng_tps / naive_tps:,.1f}x   "
+    print(f"speedup (engine decode vs naive full recompute): {eng_tps / naive_tps:,.1f}x   "
           f"(incl. prefill: {eng_e2e_tps / naive_tps:,.1f}x)   target >= 10x")
 
 

@@ -204,3 +204,25 @@ def test_generate_steps_equals_single_steps(model, prompts, devices):
         got_l.append(l)
     np.testing.assert_array_equal(np.concatenate(got_t), np.stack(toks))
     np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)
+
+
+def test_generate_all_in_chunks_equals_one_token_per_call(model, prompts):
+    """K tokens per call, ends found per chunk, freed slots refilled: the same completions as
+    one token per call, with stop tokens and per-sample length caps both ending samples."""
+    graphdef, params = model
+    one = make_engine(graphdef, temperature=1.0, slots=3)
+    many = Engine(CFG, graphdef, vocab_size=V, slots=3, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
+                  top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=3)
+    caps = np.random.RandomState(1).randint(1, N + 2, (len(prompts), 2)).tolist()
+    for stop in (EOS, (EOS, 5, 9)):
+        a = generate_all(one, one.load_params(params), prompts, samples=2, eos_id=stop, max_tokens=caps)
+        b = generate_all(many, many.load_params(params), prompts, samples=2, eos_id=stop, max_tokens=caps)
+        stops = {stop} if isinstance(stop, int) else set(stop)
+        for i in range(len(prompts)):
+            for s in range(2):
+                np.testing.assert_array_equal(a[i][s].tokens, b[i][s].tokens)
+                np.testing.assert_allclose(a[i][s].logprobs, b[i][s].logprobs, atol=1e-6)
+                n = len(b[i][s].tokens)
+                assert n <= min(caps[i][s], N)
+                assert n == min(caps[i][s], N) or b[i][s].tokens[-1] in stops
+                assert not stops & set(b[i][s].tokens[:-1].tolist())

@@ -108,7 +108,7 @@ def test_decode_path_matches_full_path(variant):
     logits, cache = jax.jit(lambda t, p, v: model.prefill(t, p, v))(toks, pos_pre, valid_pre)
     for b, L in enumerate(lengths):
         np.testing.assert_allclose(logits[b, P + k - 1], full[b, P + k - 1], atol=1e-5, rtol=0)
-    assert cache["k"].shape == (cfg.n_layers, 3, T, cfg.n_kv_heads, cfg.resolved_head_dim)
+    assert cache["k"].shape == (cfg.n_layers, 3, cfg.n_kv_heads, T, cfg.resolved_head_dim)
     decode = jax.jit(lambda *a: model.decode(*a))
     for col in range(P + k, T):
         cols = np.full(3, col, np.int32)
@@ -197,7 +197,8 @@ def test_blockwise_attention_matches_the_plain_path(variant, monkeypatch):
     lg_x, cache_x = jax.jit(lambda *a: model.prefill(*a, attn=spec("xla")))(toks, pos, valid)
     np.testing.assert_allclose(np.asarray(lg)[valid], np.asarray(lg_x)[valid], atol=1e-4, rtol=0)
     # (pad columns' keys come from their own, never-read outputs)
-    np.testing.assert_allclose(np.asarray(cache["k"])[:, valid], np.asarray(cache_x["k"])[:, valid], atol=1e-4,
+    col_major = lambda c: np.asarray(c).swapaxes(2, 3)  # [L, B, Hkv, T, hd] -> [L, B, T, Hkv, hd]
+    np.testing.assert_allclose(col_major(cache["k"])[:, valid], col_major(cache_x["k"])[:, valid], atol=1e-4,
                                rtol=0)
 
 

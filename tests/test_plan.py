@@ -75,3 +75,18 @@ def test_json_has_the_fields_and_estimates(capsys):
 def test_bad_input_exits_2(topology, extra, needle, capsys):
     code = cli.main(["plan", "--config", "configs/tiny.yaml", "--topology", topology, *BASE, *extra])
     assert code == 2 and needle in capsys.readouterr().err
+
+
+def test_engine_part_splits_weights_and_cache_and_counts_every_layer():
+    cfg = cfg_of("engine.tensor=2", "engine.max_concurrent_decodes=8", "model.n_kv_heads=2", "model.n_layers=5")
+    rep = PL.plan(cfg, "cpu:4")
+    ep = rep.parts["engine"]
+    m, width = cfg.model, 8 + 8
+    cache = 2 * m.n_layers * 8 * width * m.n_kv_heads * m.resolved_head_dim * 4  # fp32 k and v
+    assert ep.fits and ep.kv_bytes == cache // 4  # slots over data 2, kv heads over tensor 2
+    assert ep.total_bytes >= ep.params_bytes + ep.kv_bytes
+    eng, params, state = PL._engine(cfg, 64, jax.devices()[:4], unroll=True)
+    nbytes = PL._cost(eng._decoder(eng.width, False).lower(params, state).compile())[1]
+    assert ep.bytes_accessed == pytest.approx(nbytes, rel=0.05)
+    js = rep.as_json()
+    assert js["engine_bytes_per_chip"] == ep.total_bytes and js["engine_bytes_accessed_per_decode_step"] > 0

@@ -2,6 +2,8 @@
 import threading
 import time
 
+import numpy as np
+
 from async_rl.ledger import Ledger
 from async_rl.pump import Pump
 
@@ -106,3 +108,83 @@ def test_pump_wakes_when_published_weights_are_computed():
     finally:
         pump._computing.put(None)
         pump._watcher.join(5)
+
+
+class ChunkEngine:
+    """Decodes K tokens per call, slowly: token = 10 + the version of the weights passed to the
+    call, except a stop token (0) at the (3 + ordinal % 11)-th token of a sample."""
+
+    max_concurrent_decodes, steps_per_call = 3, 4
+
+    def __init__(self):
+        self.rows: dict[int, list[int]] = {}  # slot -> [ordinal, tokens made]
+
+    def init_decode_state(self):
+        return None
+
+    def update_params(self, params, version):
+        pass
+
+    def prefill(self, params, prompt_tokens, completion=None):
+        return 0 if completion is None else len(completion)
+
+    def insert(self, prefix, state, slot, *, ordinal, sample):
+        self.rows[slot] = [ordinal, prefix]
+        return state
+
+    def active_slots(self, state):
+        return None  # no host mirror of slot columns: nothing to free
+
+    def generate_steps_async(self, params, state):
+        time.sleep(0.01)
+        toks = np.zeros((self.steps_per_call, self.max_concurrent_decodes), np.int32)
+        for slot, row in self.rows.items():
+            for k in range(self.steps_per_call):
+                row[1] += 1
+                toks[k, slot] = 0 if row[1] == 3 + row[0] % 11 else 10 + params.version
+        return state, toks, -toks.astype(np.float32)
+
+
+def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
+    """Chunks of K tokens, recorded while the next one runs, slots refilled before the record,
+    weights swapped mid-sample (partial rollouts): every token carries the version of the
+    weights of the call that made it, every sample ends at its stop token or at N."""
+    from async_rl.config import load
+    from async_rl.sampler import make_sampler
+
+    n, steps = 12, 10
+    cfg = load("configs/tiny.yaml", ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                                     f"rollout.max_new_tokens={n}", "sampler.max_lookahead=2", "model.learned_positions=24"])
+    ledger = Ledger(2)
+    sampler = make_sampler(cfg, ledger)
+    recs = ({"prompt_id": i, "epoch": 0, "prompt": "1=", "answer": "1", "prompt_tokens": np.ones(2, np.int32)}
+            for i in range(2 * steps))
+    tok = type("Tok", (), {"eos_id": 0, "stop_ids": (0,), "decode": lambda self, ids: "x"})()
+    pump = Pump(ledger=ledger, sampler=sampler, engine=ChunkEngine(), iterator=recs, tokenizer=tok,
+                reward_fn=lambda text, answer: 1.0, max_new_tokens=n, params=Weights(0), version=0, partial=True,
+                deterministic=False, log=lambda *a: None)
+    pump.start()
+    trained = []
+    try:
+        for t in range(1, steps + 1):
+            groups = sampler.next_batch(t, should_stop=lambda: pump.error is not None)
+            assert groups, pump.error
+            trained += groups
+            time.sleep(0.01)
+            pump.publish(t, Weights(t))
+            with ledger.lock:
+                ledger.commit(groups)
+    finally:
+        pump.stop()
+    assert pump.error is None
+    straddling = 0
+    for g in trained:
+        for s in g.samples:
+            stop_at = 3 + g.ordinal % 11
+            assert len(s.tokens) == min(stop_at, n) and (s.tokens[-1] == 0) == (stop_at <= n)
+            assert len(s.versions) == len(s.logprobs) == len(s.tokens)
+            for t, v in zip(s.tokens, s.versions):
+                assert t == 0 or t == 10 + v
+            assert s.versions == sorted(s.versions)
+            straddling += len(set(s.versions)) > 1
+    assert straddling, "no sample straddled a weight swap"
