@@ -153,6 +153,7 @@ class EngineConfig:
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # nucleus mass kept; 1 = off
     steps_per_call: int = 8  # decode steps per engine call (one dispatch and host sync per K tokens)
+    prefill_rows: int = 16  # sequences per batched prefill call (deterministic runs: 1), rows
 
     def __post_init__(self):
         _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes",
@@ -163,6 +164,7 @@ class EngineConfig:
         _check(self.top_k >= 0, "engine.top_k", self.top_k, "must be >= 0")
         _check(0 < self.top_p <= 1, "engine.top_p", self.top_p, "must be in (0, 1]")
         _check(self.steps_per_call >= 1, "engine.steps_per_call", self.steps_per_call, "must be >= 1")
+        _check(self.prefill_rows >= 1, "engine.prefill_rows", self.prefill_rows, "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ class Engine:
         # Params keep the shardings `load_params` gave them (None: taken from the arguments).
         self._init = jax.jit(self._init_impl, out_shardings=st)
         self._prefill = jax.jit(self._prefill_impl, in_shardings=(None, rep, rep, rep, rep, rep), out_shardings=pre)
-        self._insert = jax.jit(self._insert_impl, in_shardings=(pre, st, rep, rep, rep, rep), out_shardings=st,
+        self._insert = jax.jit(self._insert_impl, in_shardings=(pre, st, rep, rep, rep, rep, rep), out_shardings=st,
                                donate_argnums=1)
         self._out_sh = (st, per_slot, NamedSharding(self.mesh, PS(None, data)))
         self._decoders: dict[tuple[int, bool], Any] = {}  # (window, multi-step) -> jitted decode
@@ -319,13 +319,24 @@ class Engine:
                sample: int, row: int = 0) -> DecodeState:
         """Row `row` of `prefix` into `slot` (its columns outside the prefix are never read
         before the slot writes them)."""
+        return self.insert_many(prefix, decode_state, [(slot, row, ordinal, sample)])
+
+    def insert_many(self, prefix: Prefix, decode_state: DecodeState, todo) -> DecodeState:
+        """Several (slot, row, ordinal, sample) of one prefix in one call (distinct slots):
+        a copy per row, so the result is the same as inserting them one at a time."""
+        todo = [tuple(int(v) for v in t) for t in todo]
+        if not todo:
+            return decode_state
+        n = len(todo)
+        arr = np.zeros((4, 1 << (n - 1).bit_length()), np.int32)  # padded to a power of two: few shapes
+        arr[:, :n] = np.asarray(todo, np.int32).T
         host = _host(decode_state)
-        st = self._insert(prefix, decode_state, np.int32(slot), np.int32(row), np.int32(ordinal),
-                          np.int32(sample))
+        st = self._insert(prefix, decode_state, *arr, np.int32(n))
         nxt = getattr(prefix, "host_next_cols", None)
         if host is None or nxt is None:
             return st
-        host[0][slot], host[1][slot] = nxt[row], True
+        for slot, row, _, _ in todo:
+            host[0][slot], host[1][slot] = nxt[row], True
         return _track(st, *host)
 
     def decode_window(self, decode_state: DecodeState, steps: int = 1) -> int:
@@ -419,17 +430,22 @@ class Engine:
         starts_B = col0 + jnp.argmax(valid_BxW, axis=1).astype(jnp.int32)
         return Prefix(cache=cache, logits_BxV=logits_BxV, starts_B=starts_B, next_cols_B=next_cols_B, col0=col0)
 
-    def _insert_impl(self, prefix: Prefix, st: DecodeState, slot, row, ordinal, sample) -> DecodeState:
-        def put(c, p):
-            r = jax.lax.dynamic_index_in_dim(p, row, axis=1).astype(c.dtype)  # [L, 1, Hkv, W, hd]
-            return jax.lax.dynamic_update_slice(c, r, (0, slot, 0, prefix.col0, 0))
-        return DecodeState(cache=jax.tree.map(put, st.cache, prefix.cache),
-                           logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
-                           cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
-                           starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),
-                           ordinals_S=st.ordinals_S.at[slot].set(ordinal),
-                           samples_S=st.samples_S.at[slot].set(sample),
-                           active_S=st.active_S.at[slot].set(True))
+    def _insert_impl(self, prefix: Prefix, st: DecodeState, slots_B, rows_B, ordinals_B, samples_B,
+                     n) -> DecodeState:
+        def one(i, st):
+            slot, row = slots_B[i], rows_B[i]
+
+            def put(c, p):
+                r = jax.lax.dynamic_index_in_dim(p, row, axis=1).astype(c.dtype)  # [L, 1, Hkv, W, hd]
+                return jax.lax.dynamic_update_slice(c, r, (0, slot, 0, prefix.col0, 0))
+            return DecodeState(cache=jax.tree.map(put, st.cache, prefix.cache),
+                               logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
+                               cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
+                               starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),
+                               ordinals_S=st.ordinals_S.at[slot].set(ordinals_B[i]),
+                               samples_S=st.samples_S.at[slot].set(samples_B[i]),
+                               active_S=st.active_S.at[slot].set(True))
+        return jax.lax.fori_loop(0, n, one, st)  # in place in the donated state, one row at a time
 
     def _generate_impl(self, params, st: DecodeState, window: int):
         model = nnx.merge(self.graphdef, params)
@@ -492,14 +508,19 @@ def generate_all(engine: Engine, params, prompts: list[np.ndarray], *, samples: 
     prefix_of: tuple[int, Prefix] | None = None  # samples of one prompt share its prefill
     fetched = None  # the last chunk on the host, its ends found, its tokens not yet appended
     while waiting or any(running) or fetched is not None:
+        todo: list = []  # (slot, sample) of one prompt: inserted together from its prefill
         for slot, row in enumerate(running):
             if row is None and waiting:
                 i, s = waiting.pop()
                 if prefix_of is None or prefix_of[0] != i:
-                    prefix_of = (i, engine.prefill(params, prompts[i]))
-                state = engine.insert(prefix_of[1], state, slot, ordinal=ordinals[i], sample=s)
+                    if todo:
+                        state = engine.insert_many(prefix_of[1], state, todo)
+                    prefix_of, todo = (i, engine.prefill(params, prompts[i])), []
+                todo.append((slot, 0, ordinals[i], s))
                 limit = n_max if max_tokens is None else max(1, min(int(max_tokens[i][s]), n_max))
                 running[slot] = _Row(i, s, limit)
+        if todo:
+            state = engine.insert_many(prefix_of[1], state, todo)
         chunk = None
         if any(running):
             state, tokens_KxS, logprobs_KxS = engine.generate_steps_async(params, state)

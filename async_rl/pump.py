@@ -29,7 +29,7 @@ class PumpStats:
     busy_s: float = 0.0  # time inside engine calls
     idle_s: float = 0.0  # time with no slot in use and nothing allowed to start
     tokens: int = 0  # tokens generated (kept in the ledger)
-    prefills: int = 0
+    prefills: int = 0  # sequences prefilled
     swaps: int = 0
     calls: int = 0  # engine generate calls
 
@@ -37,12 +37,13 @@ class PumpStats:
 class Pump:
     def __init__(self, *, ledger: Ledger, sampler, engine, iterator, tokenizer, reward_fn,
                  max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
-                 journal=None):
+                 journal=None, prefill_rows: int = 16):
         self.ledger, self.sampler, self.engine = ledger, sampler, engine
         self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
         self.N, self.partial, self.deterministic = max_new_tokens, partial, deterministic
         self.log = log
+        self.prefill_rows = prefill_rows  # sequences per batched prefill call
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
         self.decode_state = engine.init_decode_state()
         self.slots: list[tuple[Group, int] | None] = [None] * engine.max_concurrent_decodes
@@ -54,7 +55,7 @@ class Pump:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
-        self._prefixes: dict[int, object] = {}  # ordinal -> prefill result shared by its samples
+        self._prefixes: dict[int, tuple] = {}  # ordinal -> (version, prefill, row) shared by its samples
         self._ended: dict[int, tuple] = {}  # slot -> its occupant that ended in the fetched, unrecorded chunk
         self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
         # wakes the pump the moment published weights are computed (it would otherwise find
@@ -301,23 +302,40 @@ class Pump:
         return g
 
     def _insert(self, picks, params) -> None:
-        for slot, g, si in picks:
-            s = g.samples[si]
-            if s.tokens:  # continue a saved sample from its tokens: none is generated twice
-                prefix = self.engine.prefill(params, g.prompt_tokens, np.asarray(s.tokens, np.int32))
-                self.stats.prefills += 1
-            else:
-                prefix = self._prefixes.get(g.ordinal)
-                if prefix is None or prefix[0] != self.version:
-                    prefix = (self.version, self.engine.prefill(params, g.prompt_tokens))
-                    self._prefixes[g.ordinal] = prefix
-                    self.stats.prefills += 1
-                prefix = prefix[1]
-            self.decode_state = self.engine.insert(prefix, self.decode_state, slot, ordinal=g.ordinal, sample=si)
+        """Prefills what the picks need, then inserts them, one insert call per prefill.
+        Continuations of saved samples prefill their tokens too (none is generated twice);
+        the samples of a group share its prompt's prefill."""
+        inserts: dict[int, tuple[object, list]] = {}  # id(prefix) -> (prefix, [(slot, row, ordinal, sample)])
+        conts = [(slot, g, si) for slot, g, si in picks if g.samples[si].tokens]
+        for batch in self._prefill_batches(conts):
+            prefix = self._prefill(params, [(g.prompt_tokens, np.asarray(g.samples[si].tokens, np.int32))
+                                            for _, g, si in batch])
+            inserts[id(prefix)] = (prefix, [(slot, row, g.ordinal, si) for row, (slot, g, si) in enumerate(batch)])
+        fresh = [(slot, g, si) for slot, g, si in picks if not g.samples[si].tokens]
+        stale = {g.ordinal: g for _, g, _ in fresh if self._prefixes.get(g.ordinal, (None,))[0] != self.version}
+        for batch in self._prefill_batches(list(stale.values())):
+            prefix = self._prefill(params, [(g.prompt_tokens, None) for g in batch])
+            for row, g in enumerate(batch):
+                self._prefixes[g.ordinal] = (self.version, prefix, row)
+        for slot, g, si in fresh:
+            _, prefix, row = self._prefixes[g.ordinal]
+            inserts.setdefault(id(prefix), (prefix, []))[1].append((slot, row, g.ordinal, si))
+        for prefix, todo in inserts.values():
+            self.decode_state = self.engine.insert_many(prefix, self.decode_state, todo)
         with self.ledger.lock:
             for o in [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._prefixes)
                       if g is None or all(s.started or s.done for s in g.samples)]:
                 del self._prefixes[o]
+
+    def _prefill_batches(self, items: list) -> list[list]:
+        """Deterministic runs prefill one sequence per call, so a result depends on that
+        sequence alone (never on what else was picked with it); others batch."""
+        n = 1 if self.deterministic else self.prefill_rows
+        return [items[i:i + n] for i in range(0, len(items), n)]
+
+    def _prefill(self, params, seqs):
+        self.stats.prefills += len(seqs)
+        return self.engine.prefill_many(params, seqs)
 
     def _fetch(self, toks_KxS, lps_KxS, live: list, version: int) -> tuple:
         """Waits for a chunk and finds where each live sample ends in it (no ledger change).

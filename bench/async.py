@@ -52,6 +52,7 @@ Scenarios (the exact command of every run is printed):
     python bench/async.py --scenarios disjoint_sim          # the simulation alone (about a minute)
     python bench/async.py --scenarios balanced --steps 60 --repeats 3
     python bench/async.py --samplers in_order,fifo --staleness 1,2
+    python bench/async.py --scenarios keeps_up,tiny --lookaheads 1 --baseline-rev c8fad11  # vs an older trainer
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def parse_args():
     ap.add_argument("--sim-step-ms", type=float, default=200.0,
                     help="disjoint_sim: simulated cost of a learner step, and of generating a step's samples")
     ap.add_argument("--sim-steps", type=int, default=20, help="disjoint_sim: steps per run")
+    ap.add_argument("--baseline-rev", default="",
+                    help="keeps_up and tiny: one more L=1 row running the trainer of this git revision (its "
+                         "async_rl package, its defaults), e.g. the engine before multi-step decode: c8fad11")
     return ap.parse_args()
 
 
@@ -171,6 +175,7 @@ def child(argv: list[str]) -> int:
         return out
 
     learner.Learner.step = step
+    print(f"bench child: async_rl from {Path(cli.__file__).parent}", file=sys.stderr, flush=True)
 
     rc = cli.main(cli_args)
     todo.put(None)
@@ -280,8 +285,22 @@ def mean_run(runs: list[dict]) -> dict:
     return out
 
 
+def export_rev(rev: str, root: Path) -> Path:
+    """The async_rl package of a git revision, unpacked under root (imported via PYTHONPATH)."""
+    dest = root / f"rev_{rev}"
+    if not (dest / "async_rl").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(common.REPO), "archive", rev, "async_rl"], capture_output=True,
+                                 timeout=120)
+        if archive.returncode != 0:
+            sys.exit(f"--baseline-rev {rev}: git archive failed: {archive.stderr.decode().strip()[:200]}")
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True, timeout=120)
+    return dest
+
+
 def run_row(args, scen: dict, sampler: str, knob: int, run_dir: Path, cache: str,
-            extra: list[str] = ()) -> tuple[dict | None, str, str]:
+            extra: list[str] = (), source: Path | None = None) -> tuple[dict | None, str, str]:
+    """One run; `source`: a directory whose async_rl package runs instead of this tree's."""
     overrides = [f"run.dir={run_dir}", "run.resume=never", f"run.compilation_cache={cache}",
                  f"train.max_steps={args.steps}", "checkpoint.every_steps=0", *common.QUIET,
                  *scen["overrides"], *row_overrides(sampler, knob), *extra, *args.set]
@@ -292,6 +311,9 @@ def run_row(args, scen: dict, sampler: str, knob: int, run_dir: Path, cache: str
             "--", *cli_argv[2:]]
     env = common.forced_devices_env(scen["devices"])
     cmd = (f"XLA_FLAGS={env['XLA_FLAGS']} " if env["XLA_FLAGS"] else "") + " ".join(["python", *cli_argv])
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH", "")]))
+        cmd = f"PYTHONPATH={source} {cmd}"
     res = common.run_child(argv, env, timeout=args.timeout, echo=args.verbose)
     rows = common.read_jsonl(run_dir / "metrics.jsonl")
     if res.rc != 0 or len(rows) < 3:
@@ -306,7 +328,11 @@ def run_scenario(args, sname: str, samplers: list[str], knobs: dict, root: Path,
     """Every row of one real-training scenario, interleaved over repeats; prints the table, returns verdicts."""
     scen = SCENARIOS[sname]
     print(f"\n== {sname}: {scen['about']}", flush=True)
-    variants = scen.get("variants", {})  # label -> (lookahead, overrides): extra in_order rows
+    variants = dict(scen.get("variants", {}))  # label -> (lookahead, overrides): extra in_order rows
+    source = None
+    if args.baseline_rev and variants:
+        source = export_rev(args.baseline_rev, root)
+        variants[f"rev {args.baseline_rev}"] = (1, [])
     cells = [(sampler, knob, "") for sampler in samplers for knob in knobs[sampler]]
     cells += [("in_order", knob, label) for label, (knob, _) in variants.items() if "in_order" in samplers]
     runs: dict = {c: [] for c in cells}
@@ -317,8 +343,10 @@ def run_scenario(args, sname: str, samplers: list[str], knobs: dict, root: Path,
                 continue
             sampler, knob, label = c
             extra = variants[label][1] if label else []
-            m, cmd, note = run_row(args, scen, sampler, knob, root / f"{sname}_{sampler}_{knob}{label}_{rep}", cache,
-                                   extra)
+            src = source if label.startswith("rev ") else None
+            m, cmd, note = run_row(args, scen, sampler, knob,
+                                   root / f"{sname}_{sampler}_{knob}{label.replace(' ', '_')}_{rep}",
+                                   cache, extra, src)
             if rep == 0:
                 print(f"  $ {cmd}", flush=True)
             if m is None:
@@ -334,7 +362,7 @@ def run_scenario(args, sname: str, samplers: list[str], knobs: dict, root: Path,
         rs = sorted(runs[c], key=lambda r: r["steps_per_s"])
         results.append((c, mean_run(rs) if rs else None, rs))
     print_results(results)
-    return verdicts_of(sname, scen, results)
+    return verdicts_of(sname, variants, scen, results)
 
 
 def print_results(results: list) -> None:
@@ -360,7 +388,7 @@ def print_results(results: list) -> None:
                         "reward"], table, align="<<>>>>>>>>>>>>")
 
 
-def verdicts_of(sname: str, scen: dict, results: list) -> list[str]:
+def verdicts_of(sname: str, variants: dict, scen: dict, results: list) -> list[str]:
     out = []
     get = lambda knob, label="": next((m for c, m, _ in results if c == ("in_order", knob, label) and m), None)
     base = get(0)
@@ -378,12 +406,15 @@ def verdicts_of(sname: str, scen: dict, results: list) -> list[str]:
         vals = ", ".join(f"L={k} {common.fmt(m['learner_idle'], '.1%')}" for k, m in rows_k)
         ok = bool(rows_k) and all(m["learner_idle"] is not None and m["learner_idle"] <= thr for _, m in rows_k)
         out.append(f"{sname}: steady-state learner idle {vals}; target <= {thr:.0%}: {'met' if ok else 'NOT met'}")
-    for label, (k, _) in scen.get("variants", {}).items():
+    for label, (k, _) in variants.items():
         new, old = get(k), get(k, label)
         val = new["gen_tps"] / old["gen_tps"] if new and old and new["gen_tps"] and old["gen_tps"] else None
         ok = val is not None and val >= GEN_SPEEDUP_TARGET
-        out.append(f"{sname}: pump generation tokens/s at L={k}, the default engine.steps_per_call vs {label} "
-                   f"= {common.fmt(val, '.2f')}x; target >= {GEN_SPEEDUP_TARGET:.1f}x: {'met' if ok else 'NOT met'}")
+        what = (f"the trainer of revision {label[4:]} (its pump and engine, at its defaults)"
+                if label.startswith("rev ") else label)
+        out.append(f"{sname}: pump generation tokens/s at L={k}, this tree at the default engine.steps_per_call "
+                   f"vs {what} = {common.fmt(val, '.2f')}x; target >= {GEN_SPEEDUP_TARGET:.1f}x: "
+                   f"{'met' if ok else 'NOT met'}")
     return out
 
 

@@ -80,10 +80,10 @@ class Engine:
     def update_params(self, params, version: int) -> None:
         pass
 
-    def prefill(self, params, prompt_tokens, completion=None):
+    def prefill_many(self, params, seqs):
         return None
 
-    def insert(self, prefix, decode_state, slot: int, *, ordinal: int, sample: int):
+    def insert_many(self, prefix, decode_state, todo):
         return decode_state
 
     def active_slots(self, state):

@@ -170,9 +170,10 @@ def test_batched_prefill_matches_one_at_a_time(model):
     for batched in (False, True):
         st = eng.init_decode_state()
         many = eng.prefill_many(p, seqs) if batched else None
-        for slot, (prompt, done) in enumerate(seqs):
-            pre = many if batched else eng.prefill(p, prompt, done)
-            st = eng.insert(pre, st, slot, ordinal=slot, sample=0, row=slot if batched else 0)
+        if batched:  # every row in one insert call
+            st = eng.insert_many(many, st, [(slot, slot, slot, 0) for slot in range(len(seqs))])
+        for slot, (prompt, done) in enumerate([] if batched else seqs):
+            st = eng.insert(eng.prefill(p, prompt, done), st, slot, ordinal=slot, sample=0)
         toks, lps = [], []
         for _ in range(N - 3):
             st, t, l = eng.generate(p, st)

@@ -118,6 +118,7 @@ class ChunkEngine:
 
     def __init__(self):
         self.rows: dict[int, list[int]] = {}  # slot -> [ordinal, tokens made]
+        self.prefill_rows: list[int] = []  # sequences per prefill call
 
     def init_decode_state(self):
         return None
@@ -125,11 +126,13 @@ class ChunkEngine:
     def update_params(self, params, version):
         pass
 
-    def prefill(self, params, prompt_tokens, completion=None):
-        return 0 if completion is None else len(completion)
+    def prefill_many(self, params, seqs):
+        self.prefill_rows.append(len(seqs))
+        return [0 if completion is None else len(completion) for _, completion in seqs]
 
-    def insert(self, prefix, state, slot, *, ordinal, sample):
-        self.rows[slot] = [ordinal, prefix]
+    def insert_many(self, prefix, state, todo):
+        for slot, row, ordinal, _ in todo:
+            self.rows[slot] = [ordinal, prefix[row]]
         return state
 
     def active_slots(self, state):
@@ -160,9 +163,10 @@ def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
     recs = ({"prompt_id": i, "epoch": 0, "prompt": "1=", "answer": "1", "prompt_tokens": np.ones(2, np.int32)}
             for i in range(2 * steps))
     tok = type("Tok", (), {"eos_id": 0, "stop_ids": (0,), "decode": lambda self, ids: "x"})()
-    pump = Pump(ledger=ledger, sampler=sampler, engine=ChunkEngine(), iterator=recs, tokenizer=tok,
+    engine = ChunkEngine()
+    pump = Pump(ledger=ledger, sampler=sampler, engine=engine, iterator=recs, tokenizer=tok,
                 reward_fn=lambda text, answer: 1.0, max_new_tokens=n, params=Weights(0), version=0, partial=True,
-                deterministic=False, log=lambda *a: None)
+                deterministic=False, log=lambda *a: None, prefill_rows=2)
     pump.start()
     trained = []
     try:
@@ -188,3 +192,8 @@ def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
             assert s.versions == sorted(s.versions)
             straddling += len(set(s.versions)) > 1
     assert straddling, "no sample straddled a weight swap"
+    # groups picked together share a prefill call (at most prefill_rows sequences)
+    assert max(engine.prefill_rows) == 2 and sum(engine.prefill_rows) >= 2 * steps
+    assert pump._prefill_batches(list(range(5))) == [[0, 1], [2, 3], [4]]
+    pump.deterministic = True  # there a prefill depends on its own sequence alone
+    assert pump._prefill_batches(list(range(3))) == [[0], [1], [2]]
