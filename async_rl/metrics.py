@@ -1,8 +1,9 @@
 """Run outputs for people: per-step metrics, TensorBoard, progress, the reward curve.
 
 Owns: the per-step metrics sink (metrics.jsonl + TensorBoard + the rich progress bar +
-console lines), the device-side step clock behind `perf/learner_idle_frac`, and the reward
-curve PNG. Does not own: computing metrics (learner, pump, train) or the logs that prove
+console lines), the device-side step clock behind `perf/learner_idle_frac`, the host-side
+per-step figures (throughput and idle from counters, ledger counts, staleness), and the
+reward curve PNG. Does not own: the learner's device metrics, or the logs that prove
 exactly-once (`lineage`, whose `JsonlLog` metrics.jsonl also uses so it follows the
 checkpoint the same way).
 """
@@ -16,8 +17,11 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .lineage import JsonlLog, read_jsonl
 
@@ -64,6 +68,46 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+
+@dataclass
+class Rates:
+    """Per-step throughput and idle figures, from counters read at each step."""
+    wait_s: float = 0.0  # the learner's total wait for batches
+    _t: float = field(default_factory=time.perf_counter)
+    _tokens: int = 0
+    _wait: float = 0.0
+    _idle: float = 0.0
+
+    def take(self, stats, learner_idle: float | None) -> dict:
+        now = time.perf_counter()
+        dt = max(now - self._t, 1e-9)
+        out = {"perf/step_time_s": dt, "perf/tokens_per_s": (stats.tokens - self._tokens) / dt,
+               "perf/learner_wait_s": self.wait_s - self._wait, "perf/pump_idle_frac": (stats.idle_s - self._idle) / dt,
+               "rollout/generated_tokens": stats.tokens}
+        if learner_idle is not None:
+            out["perf/learner_idle_frac"] = learner_idle
+        self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
+        return out
+
+
+def host_metrics(batch, step: int, groups, ledger) -> dict:
+    """The step's data/ and staleness figures from the batch and the ledger (under its lock)."""
+    lag = (step - 1) - batch.versions_BxN[batch.mask_BxN & batch.row_valid_B[:, None]]
+    with ledger.lock:  # the pump thread adds, resets and removes groups meanwhile
+        counts = ledger.counts()
+        m = {"data/groups": len(groups), "data/drawn": ledger.next_ordinal,
+             "data/ledger_ready": counts["ready"], "data/ledger_generating": counts["generating"],
+             "data/ledger_pending": counts["pending"], "data/regenerated": ledger.regenerated_groups,
+             "perf/regen_tokens_per_1k": 1000.0 * ledger.regenerated_tokens / max(ledger.trained_tokens, 1)}
+        m.update({f"data/dropped/{k}": v for k, v in ledger.dropped.items()})
+    m.update({"rollout/staleness_mean": float(lag.mean()) if lag.size else 0.0,
+              "rollout/staleness_max": int(lag.max()) if lag.size else 0,
+              "rollout/staleness_hist": np.bincount(lag).tolist() if lag.size else []})
+    if groups:
+        m["data/epoch"] = max(g.epoch for g in groups)
+    return m
 
 
 class MetricsSink:

@@ -42,7 +42,7 @@ from .evaluate import make_evaluator
 from .ledger import Ledger
 from .learner import Learner, Row, build_batch, params_fingerprint
 from .lineage import RunLogs
-from .metrics import MetricsSink, StepClock, plot_rewards
+from .metrics import MetricsSink, Rates, StepClock, host_metrics, plot_rewards
 from .pump import Pump
 from .sampler import Hooks, Stopped, make_sampler
 from .tokenizer import build_tokenizer
@@ -300,7 +300,7 @@ class Session:
         self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
         self.params_e = params_e
         self.clock = StepClock()
-        self.rates = _Rates()
+        self.rates = Rates()
         self.t_start = time.perf_counter()
         self.history: list[dict] = []
         self.pending = None  # (step, device metrics, host metrics) of the step before the one in flight
@@ -385,7 +385,7 @@ class Session:
         self.ckpt.check_for_errors()
         self._mark_checkpointed()
         self._compact_journal()
-        host = _host_metrics(batch, self.step, groups, ledger)
+        host = host_metrics(batch, self.step, groups, ledger)
         host["perf/publish_s"] = publish_s  # host time to dispatch the cast/reshard and hand it over
         host.update(self.rates.take(self.pump.stats, self.clock.idle_fraction(self.step)))
         if self.journal is not None:
@@ -501,44 +501,6 @@ class Session:
             if not failing:
                 raise
             self.log(f"warning: {e}")
-
-
-@dataclass
-class _Rates:
-    """Per-step throughput and idle figures, from counters read at each step."""
-    wait_s: float = 0.0  # the learner's total wait for batches
-    _t: float = field(default_factory=time.perf_counter)
-    _tokens: int = 0
-    _wait: float = 0.0
-    _idle: float = 0.0
-
-    def take(self, stats, learner_idle: float | None) -> dict:
-        now = time.perf_counter()
-        dt = max(now - self._t, 1e-9)
-        out = {"perf/step_time_s": dt, "perf/tokens_per_s": (stats.tokens - self._tokens) / dt,
-               "perf/learner_wait_s": self.wait_s - self._wait, "perf/pump_idle_frac": (stats.idle_s - self._idle) / dt,
-               "rollout/generated_tokens": stats.tokens}
-        if learner_idle is not None:
-            out["perf/learner_idle_frac"] = learner_idle
-        self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
-        return out
-
-
-def _host_metrics(batch, step: int, groups, ledger: Ledger) -> dict:
-    lag = (step - 1) - batch.versions_BxN[batch.mask_BxN & batch.row_valid_B[:, None]]
-    with ledger.lock:  # the pump thread adds, resets and removes groups meanwhile
-        counts = ledger.counts()
-        m = {"data/groups": len(groups), "data/drawn": ledger.next_ordinal,
-             "data/ledger_ready": counts["ready"], "data/ledger_generating": counts["generating"],
-             "data/ledger_pending": counts["pending"], "data/regenerated": ledger.regenerated_groups,
-             "perf/regen_tokens_per_1k": 1000.0 * ledger.regenerated_tokens / max(ledger.trained_tokens, 1)}
-        m.update({f"data/dropped/{k}": v for k, v in ledger.dropped.items()})
-    m.update({"rollout/staleness_mean": float(lag.mean()) if lag.size else 0.0,
-              "rollout/staleness_max": int(lag.max()) if lag.size else 0,
-              "rollout/staleness_hist": np.bincount(lag).tolist() if lag.size else []})
-    if groups:
-        m["data/epoch"] = max(g.epoch for g in groups)
-    return m
 
 
 # ---- 6. report ----------------------------------------------------------------------------

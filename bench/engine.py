@@ -19,9 +19,18 @@ in the shared layout, so it compiles once) for every new token, batched over the
 sequences. Its step cost does not depend on how many tokens exist yet, so timing a few
 steps and multiplying is exact up to timer noise; the table says when it was extrapolated.
 
+Decode vs the HBM roofline (third table): every slot holds a prompt of P tokens and
+decodes N more, `engine.steps_per_call` per call, each call dispatched before the previous
+one's tokens are fetched (as the pump runs it); prefill is not timed. The roofline is the
+bytes a decode step must read, the weights (in the compute dtype) plus the KV cache of the
+tokens each slot holds, over the chip's published HBM bandwidth (`--hbm-gbps` where none
+is known, e.g. on CPU), summed over the N steps. Target on an accelerator: >= 50% of it.
+
     python bench/engine.py                      # small preset, 32 slots, up to 128 tokens
     python bench/engine.py --config configs/tiny.yaml --new-tokens 64 --waves 8
     python bench/engine.py --naive-steps 2 --dtype bfloat16
+    python bench/engine.py --parts roofline --config configs/plan/qwen2.5-0.5b.yaml --vocab 151936 \
+        --dtype bfloat16 --sequences 256 --prompt-len 512 --new-tokens 1536   # 0.5B shape, accelerator
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from async_rl import config as cfg_lib
 import common  # noqa: E402  (bench/common.py, beside this file)
 from async_rl.engine import Engine, generate_all, sample_token, token_key
 from async_rl.model import Transformer, layout
+from async_rl.plan import chip_for
 
 
 def parse_args():
@@ -62,7 +72,15 @@ def parse_args():
     ap.add_argument("--repeats", type=int, default=2, help="fair baseline: runs of each decoder; the fastest counts")
     ap.add_argument("--steps-per-call", type=int, default=0, help="engine K; 0 = the config default")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args()
+    ap.add_argument("--parts", default="fair,recompute,roofline",
+                    help="comma list: fair (static-batch baseline), recompute (full recompute), roofline (HBM)")
+    ap.add_argument("--hbm-gbps", type=float, default=0.0,
+                    help="roofline: HBM bandwidth in GB/s; 0 = the chip's published figure (none on CPU)")
+    args = ap.parse_args()
+    bad = set(args.parts.split(",")) - {"fair", "recompute", "roofline"}
+    if bad or not args.parts:
+        ap.error(f"--parts: unknown {sorted(bad)} (known: fair, recompute, roofline)")
+    return args
 
 
 def block(x):
@@ -133,7 +151,7 @@ def static_decoder(graphdef, seed: int, p: int, n_new: int):
         model = nnx.merge(graphdef, params)
         b = tokens_BxP.shape[0]
         logits_BxV, cache = model.prefill_at(tokens_BxP, positions_BxP, valid_BxP, jnp.full((b,), p - 1))
-        cache = jax.tree.map(lambda c: jnp.pad(c, ((0, 0), (0, 0), (0, n_new)) + ((0, 0),) * (c.ndim - 3)), cache)
+        cache = jax.tree.map(lambda c: jnp.pad(c, ((0, 0), (0, 0), (0, 0), (0, n_new), (0, 0))), cache)  # [L, B, Hkv, T, hd]
 
         def cond(c):
             n, _, _, _, _, done_B = c
@@ -204,58 +222,19 @@ def compare(name: str, eng: Engine, ep, run, prompts, samples: int, limits, p: i
             "engine_s": en_s, "tokens": en_useful, "static_steps": st_steps}
 
 
-def main():
-    args = parse_args()
-    cfg = cfg_lib.load(args.config)
-    model_cfg = dataclasses.replace(cfg.model, dtype=args.dtype, param_dtype=args.dtype)
-    p = args.prompt_len or cfg.engine.max_prompt_len
-    n_new, s = args.new_tokens, args.sequences
-    graphdef, params = nnx.split(Transformer(model_cfg, args.vocab, rngs=nnx.Rngs(args.seed)))
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    rs = np.random.RandomState(args.seed)
-    prompts = [rs.randint(0, args.vocab, rs.randint(p // 2, p + 1)).astype(np.int32) for _ in range(s)]
-    dev = jax.devices()[:1]
-    k = args.steps_per_call or cfg_lib.EngineConfig().steps_per_call
-
-    eng = Engine(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
-                 temperature=1.0, top_k=0, top_p=1.0, seed=args.seed, devices=dev, steps_per_call=k)
-    ep = eng.load_params(params)
-    t0 = time.perf_counter()
-    run_engine(eng, ep, prompts[:1], 1)  # compiles prefill, insert, generate
-    generate_all(eng, ep, prompts[:1], eos_id=None, max_tokens=[[1]])  # and the K-step call, free
-    eng_compile = time.perf_counter() - t0
-    prefill_s, decode_s = run_engine(eng, ep, prompts, n_new)
-    eng_counts = eng.compile_counts()
-
-    # Fair baseline: the same rows through a static-batch KV-cache decoder and the engine.
+def fair(args, eng: Engine, ep, graphdef, rs, p: int, n_new: int, s: int, k: int) -> None:
+    """The first table: the same rows through the static-batch decoder and the engine."""
     g = args.samples
     n_prompts = args.waves * s // g
     base_prompts = [rs.randint(0, args.vocab, rs.randint(p // 2, p + 1)).astype(np.int32) for _ in range(n_prompts)]
     run = static_decoder(graphdef, args.seed, p, n_new)
     t0 = time.perf_counter()
     run_static(run, ep, [(base_prompts[0], 0, 0, 1)], p, s)
-    static_compile = time.perf_counter() - t0
+    print(f"compile: static batch {time.perf_counter() - t0:.1f} s")
     equal = [[n_new] * g for _ in range(n_prompts)]
     varied = rs.randint(1, n_new + 1, (n_prompts, g)).tolist()  # per sequence, like an EOS drawn at random
     comps = [compare(name, eng, ep, run, base_prompts, g, lim, p, s, args.repeats)
              for name, lim in (("equal lengths", equal), ("varied lengths", varied))]
-
-    steps = args.naive_steps or n_new
-    steps = min(steps, n_new - 1)
-    naive_compile, naive_step, naive_count = run_naive(graphdef, ep, prompts, p, n_new, steps, args.seed)
-
-    tokens = s * n_new
-    eng_tps = tokens / decode_s
-    eng_e2e_tps = tokens / (decode_s + prefill_s)
-    naive_tps = s / naive_step
-    extrap = "measured" if steps >= n_new - 1 else f"{steps} steps timed, x{n_new} extrapolated"
-    print(f"model: {args.config} model section, {n_params / 1e6:.1f}M params, vocab {args.vocab}, "
-          f"{args.dtype} on {jax.default_backend()} ({dev[0].device_kind}), "
-          f"{model_cfg.n_layers} layers d={model_cfg.d_model} H={model_cfg.n_heads} "
-          f"Hkv={model_cfg.n_kv_heads} F={model_cfg.d_ff}")
-    print(f"compile: engine {eng_compile:.1f} s (prefill+insert+generate, K={k}), static batch {static_compile:.1f} s, "
-          f"naive {naive_compile:.1f} s (incl. first step)")
-
     print(f"\nfair baseline: {n_prompts} prompts x {g} samples = {n_prompts * g} sequences, batch = slots = {s}, "
           f"prompt width P={p}, up to N={n_new} tokens, temperature 1; both end a sequence at its length, "
           f"count only those tokens, and include prefill; fastest of {args.repeats} alternating runs each")
@@ -270,7 +249,18 @@ def main():
         r = c["engine_tps"] / c["static_tps"]
         print(f"{c['name']}: engine vs static batch {r:.2f}x   target >= {thr:.1f}x: {'met' if r >= thr else 'NOT met'}")
 
-    print(f"\nvs full recompute: {s} sequences x {n_new} new tokens (no EOS stop), row width {p + n_new}")
+
+def recompute(args, eng: Engine, ep, graphdef, prompts, p: int, n_new: int, s: int) -> None:
+    """The second table: engine decode steps vs recomputing the whole row per token."""
+    prefill_s, decode_s = run_engine(eng, ep, prompts, n_new)
+    eng_counts = eng.compile_counts()
+    steps = min(args.naive_steps or n_new, n_new - 1)
+    naive_compile, naive_step, naive_count = run_naive(graphdef, ep, prompts, p, n_new, steps, args.seed)
+    tokens = s * n_new
+    eng_tps, eng_e2e_tps, naive_tps = tokens / decode_s, tokens / (decode_s + prefill_s), s / naive_step
+    extrap = "measured" if steps >= n_new - 1 else f"{steps} steps timed, x{n_new} extrapolated"
+    print(f"\nvs full recompute: {s} sequences x {n_new} new tokens (no EOS stop), row width {p + n_new}; "
+          f"naive compile {naive_compile:.1f} s (incl. first step)")
     rows = [
         ("engine (KV cache), decode steps, one sync per token", f"{eng_tps:,.0f}", f"{decode_s:.2f} s", "measured",
          f"{eng_counts['generate']}"),
@@ -283,6 +273,94 @@ def main():
     common.print_table(list(head), [list(r) for r in rows], align="<" * len(head))
     print(f"speedup (engine decode vs naive full recompute): {eng_tps / naive_tps:,.1f}x   "
           f"(incl. prefill: {eng_e2e_tps / naive_tps:,.1f}x)   target >= 10x")
+
+
+def decode_wave(eng: Engine, ep, prompts, steps: int) -> float:
+    """Fills every slot (batched prefill, not timed), then decodes `steps` calls the way the
+    pump does: the next call is dispatched before the previous one's tokens are fetched."""
+    st = eng.init_decode_state()
+    for b0 in range(0, len(prompts), 16):
+        part = prompts[b0:b0 + 16]
+        pre = eng.prefill_many(ep, [(x, None) for x in part])
+        st = eng.insert_many(pre, st, [(b0 + r, r, b0 + r, 0) for r in range(len(part))])
+    block(st)
+    t0 = time.perf_counter()
+    prev = None
+    for _ in range(steps):
+        st, toks, lps = eng.generate_steps_async(ep, st)
+        if prev is not None:
+            np.asarray(prev[0]), np.asarray(prev[1])
+        prev = (toks, lps)
+    np.asarray(prev[0]), np.asarray(prev[1])
+    return time.perf_counter() - t0
+
+
+def roofline(args, eng: Engine, ep, model_cfg, rs, p: int, n_new: int, s: int, k: int) -> None:
+    """The third table: decode tokens/s against (weights + live KV bytes) / HBM bandwidth."""
+    calls = max(1, (n_new - 1) // k)  # the last column stays inside the cache
+    prompts = [rs.randint(0, args.vocab, p).astype(np.int32) for _ in range(s)]
+    decode_wave(eng, ep, prompts[:1] * s, calls)  # compiles every decode window the wave crosses
+    secs = min(decode_wave(eng, ep, prompts, calls) for _ in range(args.repeats))
+    steps = calls * k
+    weights = sum(x.nbytes for x in jax.tree.leaves(ep))
+    per_col = s * model_cfg.n_layers * 2 * model_cfg.n_kv_heads * model_cfg.resolved_head_dim * jnp.dtype(
+        model_cfg.dtype).itemsize  # k and v of one column in every slot and layer
+    kv = sum(per_col * (p + n + 1) for n in range(steps))  # columns held, plus the new one
+    total = steps * weights + kv
+    chip = chip_for(jax.devices()[0])
+    bw = args.hbm_gbps * 1e9 or (chip.hbm_bandwidth if chip else 0.0)
+    tps = s * steps / secs
+    print(f"\ndecode vs HBM roofline: {s} slots x (prompt {p} + {steps} tokens), K={k}, {model_cfg.dtype}; "
+          f"fastest of {args.repeats} waves, prefill not timed")
+    roof = s * steps / (total / bw) if bw else None
+    rows = [["engine decode", f"{tps:,.0f}", f"{secs:.2f} s", f"{total / steps / 1e9:.3f}",
+             f"{total / secs / 1e9:,.0f}" if secs else "-"],
+            ["HBM roofline (weights + live KV)", common.fmt(roof, ",.0f"),
+             f"{total / bw:.2f} s" if bw else "-", f"{total / steps / 1e9:.3f}", f"{bw / 1e9:,.0f}" if bw else "-"]]
+    common.print_table(["path", "tokens/s", "time", "GB read per step", "GB/s"], rows, align="<>>>>")
+    print(f"per step: weights {weights / 1e9:.3f} GB, KV {kv / steps / 1e9:.3f} GB on average")
+    if roof:
+        src = "--hbm-gbps" if args.hbm_gbps else f"{chip.name} published"
+        print(f"engine decode vs HBM roofline ({src} {bw / 1e9:,.0f} GB/s): {tps / roof:.1%}   target >= 50%: "
+              f"{'met' if tps / roof >= 0.5 else 'NOT met'}")
+    else:
+        print(f"no published HBM bandwidth for {jax.devices()[0].device_kind!r}: pass --hbm-gbps for the ratio")
+
+
+def main():
+    args = parse_args()
+    parts = args.parts.split(",")
+    cfg = cfg_lib.load(args.config)
+    model_cfg = dataclasses.replace(cfg.model, dtype=args.dtype, param_dtype=args.dtype)
+    p = args.prompt_len or cfg.engine.max_prompt_len
+    n_new, s = args.new_tokens, args.sequences
+    graphdef, params = nnx.split(Transformer(model_cfg, args.vocab, rngs=nnx.Rngs(args.seed)))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    rs = np.random.RandomState(args.seed)
+    prompts = [rs.randint(0, args.vocab, rs.randint(p // 2, p + 1)).astype(np.int32) for _ in range(s)]
+    dev = jax.devices()[:1]
+    k = args.steps_per_call or cfg_lib.EngineConfig().steps_per_call
+
+    eng = Engine(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
+                 temperature=1.0, top_k=0, top_p=1.0, seed=args.seed, devices=dev, steps_per_call=k)
+    ep = eng.load_params(params)
+    print(f"model: {args.config} model section, {n_params / 1e6:.1f}M params, vocab {args.vocab}, "
+          f"{args.dtype} on {jax.default_backend()} ({dev[0].device_kind}), "
+          f"{model_cfg.n_layers} layers d={model_cfg.d_model} H={model_cfg.n_heads} "
+          f"Hkv={model_cfg.n_kv_heads} F={model_cfg.d_ff}")
+    if "fair" in parts or "recompute" in parts:
+        t0 = time.perf_counter()
+        run_engine(eng, ep, prompts[:1], 1)  # compiles prefill, insert, generate
+        for n in (1 << i for i in range(args.samples.bit_length())):  # the K-step call, free, batched inserts
+            generate_all(eng, ep, prompts[:1], samples=n, eos_id=None, max_tokens=[[1] * n])
+        generate_all(eng, ep, prompts[:1], eos_id=None)  # every decode window
+        print(f"compile: engine {time.perf_counter() - t0:.1f} s (prefill+insert+generate, K={k})")
+    if "fair" in parts:
+        fair(args, eng, ep, graphdef, rs, p, n_new, s, k)
+    if "recompute" in parts:
+        recompute(args, eng, ep, graphdef, prompts, p, n_new, s)
+    if "roofline" in parts:
+        roofline(args, eng, ep, model_cfg, rs, p, n_new, s, k)
 
 
 if __name__ == "__main__":
