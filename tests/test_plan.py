@@ -1,7 +1,9 @@
 """`async-rl plan` on forced CPU devices (no libtpu needed): memory per chip from the compiled
-step, loop iterations counted in the cost, the fit verdict, exit codes and --json."""
+step, loop iterations counted in the cost, the fit verdict, exit codes and --json; with
+libtpu installed, also the decode step as the TPU compiler lays it out."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -90,3 +92,23 @@ def test_engine_part_splits_weights_and_cache_and_counts_every_layer():
     assert ep.bytes_accessed == pytest.approx(nbytes, rel=0.05)
     js = rep.as_json()
     assert js["engine_bytes_per_chip"] == ep.total_bytes and js["engine_bytes_accessed_per_decode_step"] > 0
+
+
+def test_tpu_decode_reads_the_q_and_k_kernels_where_they_lie():
+    # Compiled for a TPU (needs libtpu): with RoPE's half-rotation folded into the q and k
+    # kernels, every decode step wrote a transposed copy of both (1.31x / 1.52x the bytes of
+    # weights + KV cache on the 8B plan). 8B attention widths, small MLP and vocabulary.
+    try:
+        devices, _ = PL.topology("v5e:2x2")
+    except C.ConfigError as e:
+        pytest.skip(str(e))
+    cfg = C.load("configs/tiny.yaml", [
+        "model.vocab_size=1024", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.head_dim=128",
+        "model.d_ff=1024", "model.n_layers=2", "model.dtype=bfloat16", "model.learned_positions=0", "engine.tensor=4",
+        "engine.max_concurrent_decodes=8", "engine.max_prompt_len=16", "rollout.max_new_tokens=48"])
+    eng, params, state = PL._engine(cfg, 1024, devices)
+    hlo = eng._decoder(eng.width, False).lower(params, state).compile().as_text()
+    assert "convolution" in hlo or "dot" in hlo  # really the compiled decode
+    # a layer's q kernel on a chip is [1, 4096, 32 * 128 / 4], its k kernel [1, 4096, 8 * 128 / 4]
+    copies = re.findall(r"= bf16\[1,4096,(?:1024|256)\]\S* (?:copy|transpose)\(", hlo)
+    assert not copies, copies
