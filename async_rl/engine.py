@@ -151,10 +151,13 @@ def _is_norm_scale(axes) -> bool:
 class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
-                 steps_per_call: int = 1, tensor: int = 1, windows: bool = True, unroll: bool | int = 1):
+                 steps_per_call: int = 1, tensor: int = 1, windows: bool = True, unroll: bool | int = 1,
+                 all_devices=None):
         """`windows`: decode reads only a bucket of the cache's columns (`decode_window`);
         False reads all P + N (the choice then never depends on other slots' lengths).
-        `unroll`: layers per decode scan iteration (True: all; `plan` counts costs so)."""
+        `unroll`: layers per decode scan iteration (True: all; `plan` counts costs so).
+        `all_devices`: several processes: every process's engine devices (a list per
+        process, this one's equal to `devices`), so weights are published in one program."""
         self.unroll = unroll
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
@@ -174,6 +177,7 @@ class Engine:
         self.version: int | None = None
         platform = self.mesh.devices.flat[0].platform
         self.attn = attention.resolve(model_cfg.attention, platform, model_cfg.dtype, self.mesh, ("data",), "tensor")
+        self._global_mesh = self._every_process_mesh(all_devices)
 
         rep = NamedSharding(self.mesh, PS())
         # Slots are independent rows: they split over the data axis when they divide evenly.
@@ -234,6 +238,8 @@ class Engine:
         learner may pass its own). Cast once here, not per token. On the engine's own devices
         one program casts and reshards from any layout (no gathered replica, no second copy);
         from other devices they are cast where they are, then transferred."""
+        if self.gathers(params):
+            return self._load_global(params)
         sh = self.param_shardings(params)
         leaves = jax.tree.leaves(params)
         engine_devs = set(self.mesh.devices.flat)
@@ -247,6 +253,39 @@ class Engine:
                zip(jax.tree.leaves(params, is_leaf=_is_var), leaves)):
             params = jax.jit(functools.partial(self._cast, copy=False))(params)
         return jax.device_put(params, sh)
+
+    def _every_process_mesh(self, all_devices) -> Mesh | None:
+        """("process", "data", "tensor") over every process's engine devices, each process's
+        block laid out as its own engine mesh (None with one process)."""
+        if not all_devices or len(all_devices) < 2:
+            return None
+        devs = np.asarray(all_devices, dtype=object)
+        if devs.ndim != 2 or list(devs[jax.process_index()]) != list(self.mesh.devices.flat):
+            raise ValueError("all_devices: one equal-length list per process, this process's equal to the engine's")
+        return Mesh(devs.reshape(devs.shape[0], *self.mesh.devices.shape), ("process",) + AXES)
+
+    def gathers(self, params) -> bool:
+        """True when `load_params` takes these global (several-process) weights itself: they
+        lie on exactly the engine devices of every process (engine and learner share them)."""
+        if self._global_mesh is None:
+            return False
+        srcs = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array) for d in x.sharding.device_set}
+        return srcs == set(self._global_mesh.devices.flat)
+
+    def _load_global(self, params):
+        """One program on every process casts the weights and reshards them from the learner's
+        layout to each process's engine layout (split over tensor, whole over processes and
+        data): no full replica in the learner's dtype, no second copy. Each process then
+        wraps its own shards as its engine's arrays."""
+        key = ("every process", jax.tree.structure(params))
+        if key not in self._publishers:
+            sh = sharding.param_shardings(params, self._global_mesh)
+            self._publishers[key] = jax.jit(functools.partial(self._cast, copy=True), out_shardings=sh)
+        out = self._publishers[key](params)
+
+        def local(x, sh):
+            return jax.make_array_from_single_device_arrays(x.shape, sh, [s.data for s in x.addressable_shards])
+        return jax.tree.map(local, out, self.param_shardings(params))
 
     def _placed(self, params) -> bool:
         """Already in the engine's dtypes and shardings (e.g. from `load_params`)."""

@@ -11,7 +11,7 @@ learner) or moving weights into the engine (engine.load_params).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -32,6 +32,7 @@ class Devices:
     learner: Mesh
     engine: list  # the engine's devices (this process's share)
     shared: bool  # engine and learner use the same devices
+    engine_all: list = field(default_factory=list)  # every process's engine devices, by process
 
 
 def init_distributed() -> bool:
@@ -69,14 +70,14 @@ def make_devices(cfg: MeshConfig) -> Devices:
     if k >= len(local):
         raise ConfigError(f"mesh.engine_devices={k}: must be < the {len(local)} devices of this process "
                           "(the learner needs at least one)")
-    engine = local[len(local) - k:] if k else local
     by_process: dict[int, list] = {}
     for d in jax.devices():
         by_process.setdefault(d.process_index, []).append(d)
-    learner = []
+    learner, engine_all = [], []
     for _, ds in sorted(by_process.items()):
         ds = sorted(ds, key=lambda d: d.id)
         learner += ds[:len(ds) - k] if k else ds
+        engine_all.append(ds[len(ds) - k:] if k else ds)
     n = len(learner)
     rest = cfg.fsdp * cfg.tensor
     data = cfg.data if cfg.data != -1 else n // rest
@@ -84,7 +85,8 @@ def make_devices(cfg: MeshConfig) -> Devices:
         raise ConfigError(f"mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.tensor={cfg.tensor}: "
                           f"product must equal the {n} learner devices")
     mesh = Mesh(np.array(learner).reshape(data, cfg.fsdp, cfg.tensor), AXES)
-    return Devices(learner=mesh, engine=list(engine), shared=not k)
+    engine = engine_all[sorted(by_process).index(jax.process_index())]  # ordered as every process sees it
+    return Devices(learner=mesh, engine=list(engine), shared=not k, engine_all=engine_all)
 
 
 def batch_shards(mesh: Mesh) -> int:

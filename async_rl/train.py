@@ -163,7 +163,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
                     seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call,
-                    tensor=cfg.engine.tensor, windows=not cfg.run.determinism)
+                    tensor=cfg.engine.tensor, windows=not cfg.run.determinism, all_devices=devices.engine_all)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc)
@@ -399,10 +399,11 @@ class Session:
 
     def engine_params(self):
         """The weights as the engine reads them: `Engine.load_params` casts and reshards the
-        learner's layout into fresh buffers (safe from the donating step). Several processes
-        first gather this process's copy (`Learner.publishable`)."""
+        learner's layout into fresh buffers (safe from the donating step). With several
+        processes it does so for every process's engine in one program where the engine
+        shares the learner's devices; otherwise each first gathers its copy (`publishable`)."""
         p = self.state["params"]
-        return self.engine.load_params(self.learner.publishable(p) if self.pc > 1 else p)
+        return self.engine.load_params(self.learner.publishable(p) if self.pc > 1 and not self.engine.gathers(p) else p)
 
     def evaluate(self) -> dict:
         """Held-out scores of the weights after this step (in this step's metrics row)."""

@@ -37,3 +37,53 @@ def test_two_processes_stop_kill_resume_exactly_once(tmp_path):
     assert rep["ok"], rep
     final = json.loads((tmp_path / "final.json").read_text())
     assert final["reason"] == "data_exhausted" and final["complete_epochs"] == [0]
+
+
+PUBLISH = r"""
+import sys
+import jax, numpy as np
+from async_rl import config as C, sharding
+from async_rl.engine import Engine, generate_all
+from async_rl.learner import Learner
+sharding.init_distributed()
+cfg = C.load("configs/tiny.yaml", ["model.dtype=bfloat16", f"engine.tensor={sys.argv[1]}"])
+dev = sharding.make_devices(cfg.mesh)
+learner = Learner(cfg, 32, dev.learner, shared_devices=dev.shared)
+eng = Engine(cfg.model, learner.graphdef, vocab_size=32, slots=4, max_prompt_len=8, max_new_tokens=6,
+             temperature=1.0, top_k=0, top_p=1.0, seed=0, devices=dev.engine, tensor=cfg.engine.tensor,
+             all_devices=dev.engine_all)
+params = learner.init_params()
+assert eng.gathers(params)
+one = eng.load_params(params)  # one program for every process's engine
+old = eng.load_params(learner.publishable(params))  # gather this process's copy, then cast and place
+assert eng._placed(one)
+for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(old)):
+    assert a.is_fully_addressable and a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    np.testing.assert_array_equal(np.asarray(a.astype(np.float32)), np.asarray(b.astype(np.float32)))
+prompts = [np.array([1, 2, 3], np.int32), np.array([4, 5], np.int32)]
+x, y = (generate_all(eng, p, prompts, samples=2, eos_id=None) for p in (one, old))
+assert all((a.tokens == b.tokens).all() for pa, pb in zip(x, y) for a, b in zip(pa, pb))
+print("published", jax.process_index(), jax.tree.leaves(one)[0].dtype)
+"""
+
+
+def test_weights_reach_every_process_engine_in_one_program(tmp_path):
+    """Two processes: the weights reach each process's engine (cast, split over tensor) from
+    one program over the learner's layout, equal to gathering a copy per process first."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import free_port
+    for tensor in (2,):  # tensor 1: the training runs above take this path too
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, "-c", PUBLISH, str(tensor)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, ASYNC_RL_DISTRIBUTED="1", JAX_PLATFORMS="cpu",
+                                           JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", ASYNC_RL_NUM_PROCESSES="2",
+                                           ASYNC_RL_PROCESS_ID=str(i),
+                                           XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+                 for i in range(2)]
+        outs = [p.communicate(timeout=240) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0 and "published" in out, err[-3000:]
