@@ -20,7 +20,8 @@ import numpy as np
 from . import config as C
 from . import data as data_mod
 from . import rewards
-from .engine import Engine, generate_all
+from .decoding import generate_all
+from .engine import Engine
 
 # Synthetic eval prompt ids start here: far above any training id (0 .. num_records-1).
 SYNTHETIC_EVAL_BASE = 1 << 40

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from . import faults
-from .engine import chunk_ends
+from .decoding import chunk_ends
 from .ledger import Group, Ledger, Sample, State
 
 

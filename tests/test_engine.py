@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from async_rl.config import ModelConfig
-from async_rl.engine import Engine, generate_all, naive_generate, sample_token
+from async_rl.decoding import generate_all, naive_generate
+from async_rl.engine import Engine, sample_token
 from async_rl.model import Transformer, layout
 
 V, P, N, EOS = 40, 8, 8, 2

@@ -10,7 +10,8 @@ from flax import nnx
 
 from async_rl import losses
 from async_rl.config import ModelConfig
-from async_rl.engine import Engine, generate_all
+from async_rl.decoding import generate_all
+from async_rl.engine import Engine
 from async_rl.model import Transformer, layout
 
 V, P, N, EOS = 40, 8, 8, 2

@@ -43,7 +43,8 @@ PUBLISH = r"""
 import sys
 import jax, numpy as np
 from async_rl import config as C, sharding
-from async_rl.engine import Engine, generate_all
+from async_rl.decoding import generate_all
+from async_rl.engine import Engine
 from async_rl.learner import Learner
 sharding.init_distributed()
 cfg = C.load("configs/tiny.yaml", ["model.dtype=bfloat16", f"engine.tensor={sys.argv[1]}"])
