@@ -134,6 +134,12 @@ def _track(st, cols, active):
     return st
 
 
+def _devices_of(params) -> set:
+    """The devices the committed arrays of a parameter tree lie on."""
+    return {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array) and x.committed
+            for d in x.sharding.device_set}
+
+
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -232,21 +238,24 @@ class Engine:
         learner may pass its own). Cast once here, not per token. On the engine's own devices
         one program casts and reshards from any layout (no gathered replica, no second copy);
         from other devices they are cast where they are, then transferred."""
-        if self.gathers(params):
+        srcs = _devices_of(params)
+        if self._spans_every_process(srcs):
             return self._load_global(params)
-        sh = self.param_shardings(params)
-        leaves = jax.tree.leaves(params)
-        engine_devs = set(self.mesh.devices.flat)
-        srcs = {d for x in leaves if isinstance(x, jax.Array) and x.committed for d in x.sharding.device_set}
-        key = jax.tree.structure(params)
-        if not srcs or srcs == engine_devs:
-            if key not in self._publishers:
-                self._publishers[key] = jax.jit(functools.partial(self._cast, copy=True), out_shardings=sh)
-            return self._publishers[key](params)
+        if not srcs or srcs == set(self.mesh.devices.flat):
+            return self._publisher(params, self.mesh)(params)
         if any(x.dtype != self.param_dtype(v) for v, x in
-               zip(jax.tree.leaves(params, is_leaf=_is_var), leaves)):
+               zip(jax.tree.leaves(params, is_leaf=_is_var), jax.tree.leaves(params))):
             params = jax.jit(functools.partial(self._cast, copy=False))(params)
-        return jax.device_put(params, sh)
+        return jax.device_put(params, self.param_shardings(params))
+
+    def _publisher(self, params, mesh: Mesh):
+        """The compiled cast into fresh buffers laid out by logical axes on `mesh`, one per
+        mesh and parameter tree (shardings are built only when it compiles)."""
+        key = (mesh, jax.tree.structure(params))
+        if key not in self._publishers:
+            self._publishers[key] = jax.jit(functools.partial(self._cast, copy=True),
+                                            out_shardings=sharding.param_shardings(params, mesh))
+        return self._publishers[key]
 
     def _every_process_mesh(self, all_devices) -> Mesh | None:
         """("process", "data", "tensor") over every process's engine devices, each process's
@@ -261,21 +270,17 @@ class Engine:
     def gathers(self, params) -> bool:
         """True when `load_params` takes these global (several-process) weights itself: they
         lie on exactly the engine devices of every process (engine and learner share them)."""
-        if self._global_mesh is None:
-            return False
-        srcs = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array) for d in x.sharding.device_set}
-        return srcs == set(self._global_mesh.devices.flat)
+        return self._spans_every_process(_devices_of(params))
+
+    def _spans_every_process(self, devices: set) -> bool:
+        return self._global_mesh is not None and devices == set(self._global_mesh.devices.flat)
 
     def _load_global(self, params):
         """One program on every process casts the weights and reshards them from the learner's
         layout to each process's engine layout (split over tensor, whole over processes and
         data): no full replica in the learner's dtype, no second copy. Each process then
         wraps its own shards as its engine's arrays."""
-        key = ("every process", jax.tree.structure(params))
-        if key not in self._publishers:
-            sh = sharding.param_shardings(params, self._global_mesh)
-            self._publishers[key] = jax.jit(functools.partial(self._cast, copy=True), out_shardings=sh)
-        out = self._publishers[key](params)
+        out = self._publisher(params, self._global_mesh)(params)
 
         def local(x, sh):
             return jax.make_array_from_single_device_arrays(x.shape, sh, [s.data for s in x.addressable_shards])
