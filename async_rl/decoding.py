@@ -90,13 +90,15 @@ def generate_all(engine: Engine, params, prompts: list[np.ndarray], *, samples: 
             tokens_KxS, logprobs_KxS = np.asarray(tokens_KxS), np.asarray(logprobs_KxS)
             room_S = np.asarray([0 if r is None else r.limit - r.n for r in rows])
             take_S, ended_S = chunk_ends(tokens_KxS, room_S, stops)
+            idle = []  # ended slots nothing will refill: they stop advancing
             for slot, r in enumerate(rows):
                 if r is not None:
                     r.n += int(take_S[slot])
                     if ended_S[slot]:
                         running[slot] = None
-                        if not waiting:  # an idle slot stops advancing (nothing will refill it)
-                            state = engine.free(state, slot)
+                        if not waiting:
+                            idle.append(slot)
+            state = engine.free_many(state, idle)
             fetched = (tokens_KxS, logprobs_KxS, rows, take_S, ended_S)
     return out  # type: ignore[return-value]
 

@@ -437,11 +437,19 @@ class Engine:
         return None if host is None else host[1]
 
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        return self.free_many(decode_state, [slot])
+
+    def free_many(self, decode_state: DecodeState, slots) -> DecodeState:
+        """Marks slots inactive (they stop advancing and leave the decode window), in one call."""
+        mask_S = np.zeros(self.max_concurrent_decodes, bool)
+        mask_S[list(slots)] = True
+        if not mask_S.any():
+            return decode_state
         host = _host(decode_state)
-        st = self._free(decode_state, np.int32(slot))
+        st = self._free(decode_state, mask_S)
         if host is None:
             return st
-        host[1][slot] = False
+        host[1][mask_S] = False
         return _track(st, *host)
 
     def compile_counts(self) -> dict[str, int]:
@@ -505,5 +513,5 @@ class Engine:
         st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call, unroll=True)
         return st, tokens_KxS, logprobs_KxS
 
-    def _free_impl(self, st: DecodeState, slot) -> DecodeState:
-        return dataclasses.replace(st, active_S=st.active_S.at[slot].set(False))
+    def _free_impl(self, st: DecodeState, free_S) -> DecodeState:
+        return dataclasses.replace(st, active_S=st.active_S & ~free_S)

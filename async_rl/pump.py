@@ -180,9 +180,9 @@ class Pump:
         active = self.engine.active_slots(self.decode_state)
         if active is None:
             return
-        for slot in np.flatnonzero(active):
-            if live[slot] is None:
-                self.decode_state = self.engine.free(self.decode_state, int(slot))
+        idle = [slot for slot in np.flatnonzero(active) if live[slot] is None]
+        if idle:
+            self.decode_state = self.engine.free_many(self.decode_state, idle)
 
     def _maybe_swap(self) -> None:
         if self.deterministic:
