@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	$(BIN)/async-rl train --config $(CONFIG) $(ARGS)
 
+# Tests run in TEST_WORKERS processes (pytest-xdist); long ones start first.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not soak" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not soak" tests
 
 # The full crash matrix: every sampler x lookahead/staleness x partial rollouts.
 soak: $(STAMP)

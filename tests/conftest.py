@@ -18,3 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def xla_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("xla_cache")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long tests first (a stable sort keeps the rest in file order): with the suite split
+    over workers (`make test`), the last test to finish is then a short one."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

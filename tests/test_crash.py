@@ -66,6 +66,7 @@ def _check_run(run_dir, staleness_bound=None):
 
 
 @pytest.mark.parametrize("lookahead", [1])
+@pytest.mark.slow
 def test_crash_matrix_in_order(tmp_path, xla_cache, lookahead):
     final = crash_and_finish(tmp_path, [*BASE, f"sampler.max_lookahead={lookahead}"], xla_cache)
     assert final["reason"] == "data_exhausted"
@@ -94,6 +95,7 @@ def test_soak_crash_matrix(tmp_path, xla_cache, name, k, partial):
     _check_run(tmp_path, staleness_bound=k)
 
 
+@pytest.mark.slow
 def test_crash_matrix_deterministic_is_bit_identical(tmp_path, xla_cache):
     det = [*BASE, "run.determinism=true", "sampler.max_lookahead=2"]
     r = run_cli(tmp_path / "clean", *det, cache=xla_cache)

@@ -28,6 +28,7 @@ def test_synthetic_eval_set_is_held_out_in_ids_and_text(tmp_path):
     assert build_eval_set(c, tok).prompt_ids == es.prompt_ids  # the same set every time
 
 
+@pytest.mark.slow
 def test_eval_in_training_and_from_the_command_line_agree(tmp_path, xla_cache, capsys):
     ov = ["data.num_records=64", "rollout.prompts_per_step=4", "eval.every_steps=2", "eval.num_records=32",
           "checkpoint.every_steps=2", "train.max_steps=3"]

@@ -115,6 +115,7 @@ def test_each_step_shape_is_logged_once():
     assert learner._step._cache_size() == 2
 
 
+@pytest.mark.slow
 def test_micro_batches_give_the_unsplit_update():
     cfg, plain = make()
     batch = batch_of(cfg, random_rows(cfg, seed=2))

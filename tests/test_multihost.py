@@ -3,6 +3,8 @@ jax.distributed (loopback), each with its own Grain shard, pump, engine and ledg
 one SPMD learner across both; killed and resumed, every prompt still trained once."""
 import json
 
+import pytest
+
 from async_rl.audit import audit
 from helpers import run_multi
 
@@ -18,6 +20,7 @@ def _rows(run_dir):
     return rows
 
 
+@pytest.mark.slow
 def test_two_processes_stop_kill_resume_exactly_once(tmp_path):
     r = run_multi(tmp_path, *BASE, "train.max_steps=3")
     assert all(x.returncode == 0 for x in r), r[0].stderr[-3000:] + r[1].stderr[-3000:]

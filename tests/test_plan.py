@@ -36,6 +36,7 @@ def test_memory_is_the_compiled_steps_and_state_is_split_over_fsdp():
     assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
 
 
+@pytest.mark.slow
 def test_cost_counts_every_loop_iteration(monkeypatch):
     # XLA counts a loop body once; the plan's cost must match a compile with every loop
     # (layers, micro-batches, logit chunks) unrolled
@@ -79,6 +80,7 @@ def test_bad_input_exits_2(topology, extra, needle, capsys):
     assert code == 2 and needle in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_engine_part_splits_weights_and_cache_and_counts_every_layer():
     cfg = cfg_of("engine.tensor=2", "engine.max_concurrent_decodes=8", "model.n_kv_heads=2", "model.n_layers=5")
     rep = PL.plan(cfg, "cpu:4")

@@ -43,6 +43,7 @@ def _resume_from(src, dst, step):
     return dst
 
 
+@pytest.mark.slow
 def test_partly_filled_step_and_in_flight_samples(tmp_path, xla_cache):
     # a slow engine (few slots, long completions, 30 ms a token) and a learner that rests
     # 0.3 s after each step: each save catches the next step with some groups READY, one
@@ -86,6 +87,7 @@ def test_partly_filled_step_and_in_flight_samples(tmp_path, xla_cache):
 
 # CI runs two epochs (the boundary inside and at the end of the data); one epoch under `make soak`
 @pytest.mark.parametrize("epochs", [pytest.param(1, marks=pytest.mark.soak), 2])
+@pytest.mark.slow
 def test_exhaustion_on_a_batch_boundary(tmp_path, xla_cache, epochs):
     base = ["data.num_records=8", "rollout.prompts_per_step=2", f"data.num_epochs={epochs}"]
     total = 4 * epochs
@@ -107,6 +109,7 @@ def test_exhaustion_on_a_batch_boundary(tmp_path, xla_cache, epochs):
         assert r.returncode == 0 and len(lineage(run)) == 8 * epochs
 
 
+@pytest.mark.slow
 def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
     r = run_cli(tmp_path, *BASE, "train.max_steps=2", "checkpoint.every_steps=1", cache=xla_cache)
     assert r.returncode == 0, r.stderr
@@ -133,6 +136,7 @@ def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
     assert "learner.lr: saved 0.001, now 0.0005" in changed
 
 
+@pytest.mark.slow
 def test_a_grown_prompt_file_is_refused_and_touches_nothing(tmp_path, xla_cache):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}{i}=", "answer": f"{i}{i}"}) + "\n" for i in range(12)))

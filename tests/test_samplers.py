@@ -57,6 +57,7 @@ def test_windowed_trains_freshest_first_and_regenerates_stale(tmp_path, monkeypa
     assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(48))
 
 
+@pytest.mark.slow
 def test_partial_rollout_sample_carries_both_versions(tmp_path, monkeypatch):
     # long completions, few slots and a fast learner: publications land mid-sample
     monkeypatch.setenv("ASYNC_RL_DELAY", "generate:0.004")

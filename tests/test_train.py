@@ -49,6 +49,7 @@ def test_max_steps_ends_cleanly(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3
 
 
+@pytest.mark.slow
 def test_short_run_improves_reward(tmp_path):
     # the default tiny model and task; 60 steps of 16 prompts x 8 samples
     from async_rl import config as C
