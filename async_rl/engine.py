@@ -203,13 +203,15 @@ class Engine:
         self._decoders: dict[tuple[int, bool], Any] = {}  # (window, multi-step) -> jitted decode
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
-    def _decoder(self, window: int, multi: bool):
-        """The compiled decode for one window (a bounded set: `self.windows`)."""
-        key = (window, multi)
+    def _decoder(self, window: int, multi: bool, last_forward: bool = True):
+        """The compiled decode for one window (a bounded set: `self.windows`), with or without
+        the forward pass after its last token (`_dispatch`)."""
+        key = (window, multi, last_forward)
         if key not in self._decoders:
             body = self._generate_steps_impl if multi else self._generate_impl
             st, one, many = self._out_sh
-            self._decoders[key] = jax.jit(functools.partial(body, window=window), in_shardings=(None, st),
+            self._decoders[key] = jax.jit(functools.partial(body, window=window, last_forward=last_forward),
+                                          in_shardings=(None, st),
                                           out_shardings=(st, many if multi else one, many if multi else one),
                                           donate_argnums=1)
         return self._decoders[key]
@@ -388,10 +390,20 @@ class Engine:
         need = int(cols[active].max()) + steps if active.any() else 1
         return bucket(min(need, self.width), self.windows)
 
+    def last_forward(self, decode_state: DecodeState, steps: int) -> bool:
+        """Whether the forward pass after the last of `steps` tokens has a use: it computes
+        the logits of each slot's next column, which no slot samples once every active one
+        holds its last column (P + N - 1) by then. Without a host mirror: always."""
+        host = _host(decode_state)
+        if host is None:
+            return True
+        cols, active = host
+        return bool((cols[active] + steps < self.width).any())
+
     def _dispatch(self, params, decode_state: DecodeState, steps: int):
         """Dispatches `steps` decode steps (asynchronously); tokens and logprobs stay on device."""
         host = _host(decode_state)
-        fn = self._decoder(self.decode_window(decode_state, steps), steps > 1)
+        fn = self._decoder(self.decode_window(decode_state, steps), steps > 1, self.last_forward(decode_state, steps))
         state, tokens, logprobs = fn(params, decode_state)
         if host is not None:
             host[0][host[1]] += steps
@@ -454,7 +466,8 @@ class Engine:
 
     def compile_counts(self) -> dict[str, int]:
         """Compiled executables per entry point: prefill and insert one per bucket shape,
-        generate one per decode window used (both bounded, however many requests run)."""
+        generate one per decode window used, with and without its last forward pass (all
+        bounded, however many requests run)."""
         fns = {"prefill": self._prefill, "insert": self._insert, "free": self._free}
         out = {k: f._cache_size() for k, f in fns.items()}
         out["generate"] = sum(f._cache_size() for f in self._decoders.values())
@@ -493,25 +506,28 @@ class Engine:
                                active_S=st.active_S.at[slot].set(True))
         return jax.lax.fori_loop(0, n, one, st)  # in place in the donated state, one row at a time
 
-    def _generate_impl(self, params, st: DecodeState, window: int):
-        model = nnx.merge(self.graphdef, params)
+    def _generate_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
+        """Samples every slot's token, then (`last_forward`) runs it through the model for the
+        next column's logits and writes its k/v; without, the slot's logits and cache stay."""
         n_S = st.cols_S - self.max_prompt_len
         keys_S = jax.vmap(functools.partial(token_key, self.seed))(st.ordinals_S, st.samples_S, n_S)
         tokens_S, logprobs_S = jax.vmap(self._sample)(st.logits_SxV, keys_S)
+        new = dataclasses.replace(st, cols_S=st.cols_S + st.active_S.astype(jnp.int32))
+        if not last_forward:
+            return new, tokens_S, logprobs_S
         # An inactive (or finished and not yet freed) slot must not write out of bounds.
         cols_S = jnp.minimum(st.cols_S, self.width - 1)
-        logits_SxV, cache = model.decode(tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache,
-                                         window=window, unroll=self.unroll)
-        new = dataclasses.replace(st, cache=cache, logits_SxV=logits_SxV,
-                                  cols_S=st.cols_S + st.active_S.astype(jnp.int32))
-        return new, tokens_S, logprobs_S
+        logits_SxV, cache = nnx.merge(self.graphdef, params).decode(
+            tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window, unroll=self.unroll)
+        return dataclasses.replace(new, cache=cache, logits_SxV=logits_SxV), tokens_S, logprobs_S
 
-    def _generate_steps_impl(self, params, st: DecodeState, window: int):
+    def _generate_steps_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
         def step(carry, _):
             carry, tok, lp = self._generate_impl(params, carry, window)
             return carry, (tok, lp)
-        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call, unroll=True)
-        return st, tokens_KxS, logprobs_KxS
+        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call - 1, unroll=True)
+        st, tok_S, lp_S = self._generate_impl(params, st, window, last_forward)
+        return st, jnp.concatenate([tokens_KxS, tok_S[None]]), jnp.concatenate([logprobs_KxS, lp_S[None]])
 
     def _free_impl(self, st: DecodeState, free_S) -> DecodeState:
         return dataclasses.replace(st, active_S=st.active_S & ~free_S)

@@ -55,7 +55,8 @@ def test_greedy_matches_naive_across_refills_and_compiles_once(model, prompts):
     graphdef, params = model
     eng = make_engine(graphdef)
     out = generate_all(eng, eng.load_params(params), prompts, samples=2, eos_id=EOS)
-    assert eng.compile_counts() == {"prefill": 1, "insert": 1, "generate": 1, "free": 1}
+    # one window (P + N is the smallest); its decode with and without the last forward pass
+    assert eng.compile_counts() == {"prefill": 1, "insert": 1, "generate": 2, "free": 1}
     for i, prompt in enumerate(prompts):
         ref = naive_generate(CFG, graphdef, params, prompt, max_new_tokens=N, eos_id=EOS, temperature=0.0,
                              top_k=0, top_p=1.0, seed=7, ordinal=i, sample=0, max_prompt_len=P)
@@ -155,7 +156,7 @@ def test_update_params_changes_outputs_without_recompiling(model, prompts):
     eng.update_params(new, version=2)
     assert eng.version == 2
     after = generate_all(eng, eng.params, prompts, eos_id=None)
-    assert eng.compile_counts() == counts == {"prefill": 1, "insert": 1, "generate": 1, "free": 1}
+    assert eng.compile_counts() == counts == {"prefill": 1, "insert": 1, "generate": 2, "free": 1}
     assert any((a[0].tokens != b[0].tokens).any() for a, b in zip(before, after))
     ref = naive_generate(CFG, graphdef, new, prompts[0], max_new_tokens=N, eos_id=None, temperature=0.0,
                          top_k=0, top_p=1.0, seed=7, ordinal=0, sample=0, max_prompt_len=P)
@@ -205,6 +206,35 @@ def test_generate_steps_equals_single_steps(model, prompts, devices):
         got_l.append(l)
     np.testing.assert_array_equal(np.concatenate(got_t), np.stack(toks))
     np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k):
+    """Once every active slot samples its last column (P + N - 1) in a call, the forward pass
+    after it has no use and is not compiled into that call; tokens and logprobs stay those
+    of the decode that runs it."""
+    graphdef, params = model
+    engines = [Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
+                      top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=k) for _ in range(2)]
+    engines[1].last_forward = lambda state, steps: True  # the reference runs every forward pass
+    outs = []
+    for eng in engines:
+        p, st = eng.load_params(params), eng.init_decode_state()
+        for slot in range(3):  # slot 3 stays inactive: it never holds the decode back
+            st = eng.insert(eng.prefill(p, prompts[slot]), st, slot, ordinal=slot, sample=0)
+        calls = []
+        for _ in range(N // k):
+            calls.append(eng.last_forward(st, k))
+            st, t, l = eng.generate_steps(p, st)
+            calls.append((t[:, :3], l[:, :3]))
+        outs.append(calls)
+    skips, ref = outs
+    assert [c for c in skips if isinstance(c, bool)] == [True] * (N // k - 1) + [False]
+    for a, b in zip(skips, ref):
+        if not isinstance(a, bool):
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_allclose(a[1], b[1], atol=1e-6, rtol=0)
+    assert engines[0].compile_counts()["generate"] == 2 and engines[1].compile_counts()["generate"] == 1
 
 
 def test_generate_all_in_chunks_equals_one_token_per_call(model, prompts):

@@ -93,7 +93,7 @@ def test_tensor_parallel_generates_what_one_device_does(model, tensor):
             ref, _ = learner_logprobs(graphdef, params, prompt, cb.tokens, 0.0)
             worst = max(worst, float(np.abs(ref - cb.logprobs).max()))
     assert worst <= 1e-4
-    assert tp.compile_counts()["generate"] == 1
+    assert tp.compile_counts()["generate"] == 2  # one window, with and without the last forward
 
 
 def test_tensor_must_divide_devices_and_heads(model):
