@@ -65,8 +65,10 @@ plan: $(TPU_STAMP)
 	$(BIN)/async-rl plan --config $(PLAN_CONFIG) --topology $(TOPOLOGY) $(ARGS)
 
 # CI: one small plan on a real TPU topology (seconds of compile; splash attention, remat,
-# micro-batches and logit chunks all compiled for TPU).
+# micro-batches and logit chunks all compiled for TPU), and the tests that compile for a TPU
+# (skipped by `make test` where libtpu is not installed).
 plan-ci: $(TPU_STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_plan.py -k tpu
 	$(BIN)/async-rl plan --config configs/tiny.yaml --topology v5e:2x2 model.vocab_size=16 learner.remat=block \
 		learner.micro_batch_rows=64 learner.logits_chunk=4
 
