@@ -199,7 +199,7 @@ class Engine:
         self._prefill = jax.jit(self._prefill_impl, in_shardings=(None, rep, rep, rep, rep, rep), out_shardings=pre)
         self._insert = jax.jit(self._insert_impl, in_shardings=(pre, st, rep, rep, rep, rep, rep), out_shardings=st,
                                donate_argnums=1)
-        self._out_sh = (st, per_slot, NamedSharding(self.mesh, PS(None, data)))
+        self._out_sh = (st, NamedSharding(self.mesh, PS(None, data)))  # state, [K, S] tokens and logprobs
         self._decoders: dict[tuple[int, bool], Any] = {}  # (window, multi-step) -> jitted decode
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
@@ -208,12 +208,10 @@ class Engine:
         the forward pass after its last token (`_dispatch`)."""
         key = (window, multi, last_forward)
         if key not in self._decoders:
-            body = self._generate_steps_impl if multi else self._generate_impl
-            st, one, many = self._out_sh
+            body = self._generate_steps_impl if multi else self._generate_one_impl
+            st, many = self._out_sh
             self._decoders[key] = jax.jit(functools.partial(body, window=window, last_forward=last_forward),
-                                          in_shardings=(None, st),
-                                          out_shardings=(st, many if multi else one, many if multi else one),
-                                          donate_argnums=1)
+                                          in_shardings=(None, st), out_shardings=(st, many, many), donate_argnums=1)
         return self._decoders[key]
 
     # ---- weights -------------------------------------------------------------------
@@ -401,7 +399,8 @@ class Engine:
         return bool((cols[active] + steps < self.width).any())
 
     def _dispatch(self, params, decode_state: DecodeState, steps: int):
-        """Dispatches `steps` decode steps (asynchronously); tokens and logprobs stay on device."""
+        """Dispatches `steps` decode steps (asynchronously); tokens and logprobs [steps, S] stay
+        on device."""
         host = _host(decode_state)
         fn = self._decoder(self.decode_window(decode_state, steps), steps > 1, self.last_forward(decode_state, steps))
         state, tokens, logprobs = fn(params, decode_state)
@@ -417,7 +416,8 @@ class Engine:
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
         """One token for every slot: (state, tokens_S int32, logprobs_S fp32) on the host."""
-        return self._decode(params, decode_state, 1)
+        state, tokens_1xS, logprobs_1xS = self._decode(params, decode_state, 1)
+        return state, tokens_1xS[0], logprobs_1xS[0]
 
     def generate_steps(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
         """`steps_per_call` tokens for every slot in one call: (state, tokens_KxS, logprobs_KxS).
@@ -425,9 +425,6 @@ class Engine:
         One dispatch and one host sync per K tokens. Tokens a slot produces after its stop
         token (or its N-th token) are garbage the caller drops; the slot is refilled after
         the call, so a finished slot idles for the rest of it."""
-        if self.steps_per_call == 1:
-            state, tokens_S, logprobs_S = self.generate(params, decode_state)
-            return state, tokens_S[None], logprobs_S[None]
         return self._decode(params, decode_state, self.steps_per_call)
 
     def generate_steps_async(self, params, decode_state: DecodeState) -> tuple[DecodeState, jax.Array, jax.Array]:
@@ -435,10 +432,7 @@ class Engine:
         still being computed (dispatch is asynchronous), their copy to the host already
         started. The caller records the previous chunk meanwhile and fetches these later
         (`np.asarray`), so the host's per-token work overlaps the device's next K steps."""
-        k = self.steps_per_call
-        state, tokens_KxS, logprobs_KxS = self._dispatch(params, decode_state, k)
-        if k == 1:
-            tokens_KxS, logprobs_KxS = tokens_KxS[None], logprobs_KxS[None]
+        state, tokens_KxS, logprobs_KxS = self._dispatch(params, decode_state, self.steps_per_call)
         for x in (tokens_KxS, logprobs_KxS):
             x.copy_to_host_async()
         return state, tokens_KxS, logprobs_KxS
@@ -520,6 +514,10 @@ class Engine:
         logits_SxV, cache = nnx.merge(self.graphdef, params).decode(
             tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window, unroll=self.unroll)
         return dataclasses.replace(new, cache=cache, logits_SxV=logits_SxV), tokens_S, logprobs_S
+
+    def _generate_one_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
+        st, tokens_S, logprobs_S = self._generate_impl(params, st, window, last_forward)
+        return st, tokens_S[None], logprobs_S[None]
 
     def _generate_steps_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
         def step(carry, _):
