@@ -100,21 +100,29 @@ def masked(q_BxQxHxD, k_BxKxGxD, v_BxKxGxD, mask_BxQxK):
     return out.reshape(b, nq, h * d)
 
 
-def one_query(q_Bx1xHxD, k_BxGxKxD, v_BxGxKxD, mask_BxK, k_self_BxGxD, v_self_BxGxD):
+def one_query(q_Bx1xHxD, k_BxGxKxD, v_BxGxKxD, mask_BxK, k_self_BxGxD, v_self_BxGxD, extra=()):
     """Decode attention: one query per row against a head-major cache block under a mask,
-    plus the row's own new key and value (always visible)."""
+    plus the row's own new key and value (always visible). `extra`: more (keys, values,
+    mask) blocks of the same head-major form (a multi-step call's recent columns), each
+    read where it lies: no block is concatenated to another."""
     b, _, h, d = q_Bx1xHxD.shape
     g = k_BxGxKxD.shape[1]
     q = q_Bx1xHxD.reshape(b, g, h // g, d)
-    scores = jnp.einsum("bgrd,bgkd->bgrk", q, k_BxGxKxD, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_BxK[:, None, None], scores / math.sqrt(d), MASK_VALUE)
+    blocks = [(k_BxGxKxD, v_BxGxKxD, mask_BxK), *extra]
+    scores = [jnp.where(m[:, None, None], jnp.einsum("bgrd,bgkd->bgrk", q, k, preferred_element_type=jnp.float32)
+                        / math.sqrt(d), MASK_VALUE) for k, _, m in blocks]
     own = jnp.einsum("bgrd,bgd->bgr", q, k_self_BxGxD, preferred_element_type=jnp.float32) / math.sqrt(d)
-    top = jnp.maximum(scores.max(-1), own)
-    p, p_own = jnp.exp(scores - top[..., None]), jnp.exp(own - top)
-    total = p.sum(-1) + p_own
-    out = jnp.einsum("bgrk,bgkd->bgrd", (p / total[..., None]).astype(v_BxGxKxD.dtype), v_BxGxKxD,
-                     preferred_element_type=jnp.float32)
-    out = out + (p_own / total)[..., None] * v_self_BxGxD[:, :, None].astype(jnp.float32)
+    top = own
+    for s in scores:
+        top = jnp.maximum(top, s.max(-1))
+    ps, p_own = [jnp.exp(s - top[..., None]) for s in scores], jnp.exp(own - top)
+    total = p_own
+    for p in ps:
+        total = total + p.sum(-1)
+    out = (p_own / total)[..., None] * v_self_BxGxD[:, :, None].astype(jnp.float32)
+    for p, (_, v, _) in zip(ps, blocks):
+        out = out + jnp.einsum("bgrk,bgkd->bgrd", (p / total[..., None]).astype(v.dtype), v,
+                               preferred_element_type=jnp.float32)
     return out.astype(v_BxGxKxD.dtype).reshape(b, 1, h * d)
 
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as PS
 
 from async_rl import attention, sharding
 from async_rl.config import ConfigError, ModelConfig
-from async_rl.model import KVCache, init_cache, layout
+from async_rl.model import KVCache, Recent, init_cache, init_recent, layout, write_recent
 
 
 @jax.tree_util.register_dataclass
@@ -152,12 +152,15 @@ class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
                  steps_per_call: int = 1, tensor: int = 1, windows: bool = True, unroll: bool | int = 1,
-                 all_devices=None):
+                 all_devices=None, recent: bool | None = None):
         """`windows`: decode reads only a bucket of the cache's columns (`decode_window`);
         False reads all P + N (the choice then never depends on other slots' lengths).
         `unroll`: layers per decode scan iteration (True: all; `plan` counts costs so).
         `all_devices`: several processes: every process's engine devices (a list per
-        process, this one's equal to `devices`), so weights are published in one program."""
+        process, this one's equal to `devices`), so weights are published in one program.
+        `recent`: a multi-step call keeps its new columns in a block beside the cache and
+        writes them once at its end (`model.Recent`); None: on TPU only (elsewhere the
+        cache is written in place each step, which costs less there)."""
         self.unroll = unroll
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
@@ -176,6 +179,7 @@ class Engine:
         self.params: Any = None
         self.version: int | None = None
         platform = self.mesh.devices.flat[0].platform
+        self.recent = platform == "tpu" if recent is None else recent
         self.attn = attention.resolve(model_cfg.attention, platform, model_cfg.dtype, self.mesh, ("data",), "tensor")
         self._global_mesh = self._every_process_mesh(all_devices)
 
@@ -500,31 +504,49 @@ class Engine:
                                active_S=st.active_S.at[slot].set(True))
         return jax.lax.fori_loop(0, n, one, st)  # in place in the donated state, one row at a time
 
-    def _generate_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
+    def _generate_impl(self, params, st: DecodeState, window: int, last_forward: bool = True,
+                       recent: Recent | None = None):
         """Samples every slot's token, then (`last_forward`) runs it through the model for the
-        next column's logits and writes its k/v; without, the slot's logits and cache stay."""
+        next column's logits and writes its k/v (into `recent` in a multi-step call); without,
+        the slot's logits and cache stay. Returns (state, recent, tokens_S, logprobs_S)."""
         n_S = st.cols_S - self.max_prompt_len
         keys_S = jax.vmap(functools.partial(token_key, self.seed))(st.ordinals_S, st.samples_S, n_S)
         tokens_S, logprobs_S = jax.vmap(self._sample)(st.logits_SxV, keys_S)
         new = dataclasses.replace(st, cols_S=st.cols_S + st.active_S.astype(jnp.int32))
         if not last_forward:
-            return new, tokens_S, logprobs_S
+            return new, recent, tokens_S, logprobs_S
         # An inactive (or finished and not yet freed) slot must not write out of bounds.
         cols_S = jnp.minimum(st.cols_S, self.width - 1)
-        logits_SxV, cache = nnx.merge(self.graphdef, params).decode(
-            tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window, unroll=self.unroll)
-        return dataclasses.replace(new, cache=cache, logits_SxV=logits_SxV), tokens_S, logprobs_S
+        logits_SxV, written = nnx.merge(self.graphdef, params).decode(
+            tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window, unroll=self.unroll,
+            recent=recent)
+        if recent is not None:
+            return dataclasses.replace(new, logits_SxV=logits_SxV), written, tokens_S, logprobs_S
+        return dataclasses.replace(new, cache=written, logits_SxV=logits_SxV), None, tokens_S, logprobs_S
 
     def _generate_one_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
-        st, tokens_S, logprobs_S = self._generate_impl(params, st, window, last_forward)
+        st, _, tokens_S, logprobs_S = self._generate_impl(params, st, window, last_forward)
         return st, tokens_S[None], logprobs_S[None]
 
     def _generate_steps_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
+        """K steps; with `self.recent` over a read-only cache, each step's new k/v going to a
+        K-column `Recent` block written into the cache once at the end (`model.Recent`)."""
+        recent = None
+        if self.recent:
+            k_sh = self._state_sharding.cache["k"]  # [L, S, Hkv, K, hd] splits as the cache does
+            recent = init_recent(st.cache, self.steps_per_call, st.cols_S)
+            recent = dataclasses.replace(recent, k=jax.lax.with_sharding_constraint(recent.k, k_sh),
+                                         v=jax.lax.with_sharding_constraint(recent.v, k_sh))
+
         def step(carry, _):
-            carry, tok, lp = self._generate_impl(params, carry, window)
-            return carry, (tok, lp)
-        st, (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, st, None, length=self.steps_per_call - 1, unroll=True)
-        st, tok_S, lp_S = self._generate_impl(params, st, window, last_forward)
+            st, recent = carry
+            st, recent, tok, lp = self._generate_impl(params, st, window, recent=recent)
+            return (st, recent), (tok, lp)
+        (st, recent), (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, (st, recent), None,
+                                                                length=self.steps_per_call - 1, unroll=True)
+        st, recent, tok_S, lp_S = self._generate_impl(params, st, window, last_forward, recent)
+        if recent is not None:
+            st = dataclasses.replace(st, cache=write_recent(st.cache, recent))
         return st, jnp.concatenate([tokens_KxS, tok_S[None]]), jnp.concatenate([logprobs_KxS, lp_S[None]])
 
     def _free_impl(self, st: DecodeState, free_S) -> DecodeState:

@@ -22,12 +22,13 @@ What the numbers are:
            parameters x tokens + causal attention, per update pass; no recomputation) /
            (estimated time x peak). Not a measurement.
 
-The engine part compiles the engine's decode step and one prefill for an engine over the
-topology's devices (mesh data x engine.tensor; `engine.max_concurrent_decodes` slots split
-over data, weights and KV heads over tensor). Its memory is the decode step's arguments
-(weights in the compute dtype, the KV cache) plus the larger of decode's and prefill's
-temporaries; its bytes accessed per decode step come from layer-count differencing (2 and
-3 layers, unrolled) since XLA counts a scanned layer once, and are set beside the bytes
+The engine part compiles the engine's decode call (`engine.steps_per_call` steps, as the
+pump runs it) and one prefill for an engine over the topology's devices (mesh data x
+engine.tensor; `engine.max_concurrent_decodes` slots split over data, weights and KV heads
+over tensor). Its memory is the decode call's arguments (weights in the compute dtype, the
+KV cache) plus the larger of decode's and prefill's temporaries; its bytes accessed per
+decode step (a call's over its steps) come from layer-count differencing (2 and 3 layers,
+unrolled) since XLA counts a scanned layer once, and are set beside the bytes
 that must be read: weights plus the cache's columns (all of them: the widest window).
 With `mesh.engine_devices=0` engine and learner share the chips, so each must fit beside
 the other's resident state (weights and cache; parameters and optimizer state).
@@ -362,7 +363,8 @@ def _engine(cfg: C.Config, vocab: int, devices: list, layers: int | None = None,
     ec = cfg.engine
     eng = Engine(mc, graphdef, vocab_size=vocab, slots=ec.max_concurrent_decodes, max_prompt_len=ec.max_prompt_len,
                  max_new_tokens=cfg.rollout.max_new_tokens, temperature=ec.temperature, top_k=ec.top_k,
-                 top_p=ec.top_p, seed=0, devices=devices, tensor=ec.tensor, unroll=unroll)
+                 top_p=ec.top_p, seed=0, devices=devices, tensor=ec.tensor, unroll=unroll,
+                 steps_per_call=ec.steps_per_call)
     sh = eng.param_shardings(params)
     params = jax.tree.map(lambda v, s: v.replace(_abstract(v.shape, eng.param_dtype(v), s.get_value())), params, sh,
                           is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -380,12 +382,18 @@ def _engine_prefill(eng, params):
     return eng._prefill.lower(params, *args).compile()
 
 
+def _decode_call(eng):
+    """The jitted decode of one call at the widest window, with the forward pass after its
+    last token (a call in the middle of a sample)."""
+    return eng._decoder(eng.width, eng.steps_per_call > 1)
+
+
 def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool = True) -> Part:
-    """The engine's decode step (widest window) and a prefill, compiled for `devices`."""
+    """The engine's decode call (widest window) and a prefill, compiled for `devices`."""
     eng, params, state = _engine(cfg, vocab, devices)
     t0 = time.perf_counter()
     try:
-        decode = eng._decoder(eng.width, False).lower(params, state).compile()
+        decode = _decode_call(eng).lower(params, state).compile()
         prefill = _engine_prefill(eng, params)
     except Exception as e:
         msg = str(e)
@@ -402,7 +410,7 @@ def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool
                 other_bytes=total - w - st - temp, total_bytes=total, kv_bytes=kv, resident_bytes=w + st)
     if cost:
         # 2 and 3 layers: with 1, fusion differs enough to skew the per-layer difference
-        two, three = (np.array(_cost(eng_l._decoder(eng_l.width, False).lower(p_l, s_l).compile()))
+        two, three = (np.array(_cost(_decode_call(eng_l).lower(p_l, s_l).compile())) / eng_l.steps_per_call
                       for eng_l, p_l, s_l in (_engine(cfg, vocab, devices, n, unroll=True) for n in (2, 3)))
         part.flops, part.bytes_accessed = (float(v) for v in two + (cfg.model.n_layers - 2) * (three - two))
     return part

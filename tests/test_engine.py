@@ -179,14 +179,17 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
     assert set(np.asarray(toks).tolist()) == {greedy}
 
 
-@pytest.mark.parametrize("devices", ["one", None])
-def test_generate_steps_equals_single_steps(model, prompts, devices):
-    """K decode steps in one call produce exactly the tokens and logprobs of K single calls."""
+@pytest.mark.parametrize("devices,recent", [("one", False), (None, False), ("one", True), (None, True)])
+def test_generate_steps_equals_single_steps(model, prompts, devices, recent):
+    """K decode steps in one call produce the tokens and logprobs of K single calls, also with
+    the call's new columns kept beside the cache and written at its end (`recent`)."""
     graphdef, params = model
     kw = dict(temperature=1.0, top_k=5, devices=devices)
     one = make_engine(graphdef, **kw)
     many = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                  top_k=5, top_p=1.0, seed=7, devices=one.mesh.devices.ravel().tolist(), steps_per_call=3)
+                  top_k=5, top_p=1.0, seed=7, devices=one.mesh.devices.ravel().tolist(), steps_per_call=3,
+                  recent=recent)
+    assert many.recent is recent
     p1, pk = one.load_params(params), many.load_params(params)
     s1, sk = one.init_decode_state(), many.init_decode_state()
     for slot in range(4):
@@ -208,14 +211,15 @@ def test_generate_steps_equals_single_steps(model, prompts, devices):
     np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k):
+@pytest.mark.parametrize("k,recent", [(1, False), (4, False), (4, True)])
+def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k, recent):
     """Once every active slot samples its last column (P + N - 1) in a call, the forward pass
     after it has no use and is not compiled into that call; tokens and logprobs stay those
     of the decode that runs it."""
     graphdef, params = model
     engines = [Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                      top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=k) for _ in range(2)]
+                      top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=k, recent=recent)
+               for _ in range(2)]
     engines[1].last_forward = lambda state, steps: True  # the reference runs every forward pass
     outs = []
     for eng in engines:

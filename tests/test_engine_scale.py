@@ -131,11 +131,13 @@ def long_engine(graphdef, **kw):
                   top_k=0, top_p=1.0, seed=7, devices=kw.pop("devices", jax.devices()[:1]), **kw)
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_decode_windows_match_full_width(model, steps):
+@pytest.mark.parametrize("steps,recent", [(1, False), (3, False), (3, True)])
+def test_decode_windows_match_full_width(model, steps, recent):
+    """Windowed decode (and, with `recent`, a call's new columns kept beside the cache and
+    written at its end) equals full-width decode writing every step."""
     graphdef, params = model
-    win = long_engine(graphdef, steps_per_call=steps)
-    full = long_engine(graphdef, steps_per_call=steps, windows=False)
+    win = long_engine(graphdef, steps_per_call=steps, recent=recent)
+    full = long_engine(graphdef, steps_per_call=steps, windows=False, recent=False)
     assert win.windows == (16, 32, 48) and full.windows == (48,)
     ps = prompts(6, seed=1)
     outs = []

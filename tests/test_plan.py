@@ -90,7 +90,9 @@ def test_engine_part_splits_weights_and_cache_and_counts_every_layer():
     assert ep.fits and ep.kv_bytes == cache // 4  # slots over data 2, kv heads over tensor 2
     assert ep.total_bytes >= ep.params_bytes + ep.kv_bytes
     eng, params, state = PL._engine(cfg, 64, jax.devices()[:4], unroll=True)
-    nbytes = PL._cost(eng._decoder(eng.width, False).lower(params, state).compile())[1]
+    # the plan counts a call of engine.steps_per_call steps, per step
+    nbytes = PL._cost(PL._decode_call(eng).lower(params, state).compile())[1] / eng.steps_per_call
+    assert eng.steps_per_call == cfg.engine.steps_per_call > 1
     assert ep.bytes_accessed == pytest.approx(nbytes, rel=0.05)
     js = rep.as_json()
     assert js["engine_bytes_per_chip"] == ep.total_bytes and js["engine_bytes_accessed_per_decode_step"] > 0
@@ -114,3 +116,26 @@ def test_tpu_decode_reads_the_q_and_k_kernels_where_they_lie():
     # a layer's q kernel on a chip is [1, 4096, 32 * 128 / 4], its k kernel [1, 4096, 8 * 128 / 4]
     copies = re.findall(r"= bf16\[1,4096,(?:1024|256)\]\S* (?:copy|transpose)\(", hlo)
     assert not copies, copies
+
+
+def test_tpu_multi_step_decode_writes_the_cache_once_per_call():
+    # Compiled for a TPU (needs libtpu): with a head dim under 128 lanes (Qwen2.5's 64) the
+    # compiler lays the cache out columns-minor and copies it to another layout and back to
+    # write a column; a call of K steps now writes its K new columns once (`model.Recent`).
+    try:
+        devices, _ = PL.topology("v5e:2x2")
+    except C.ConfigError as e:
+        pytest.skip(str(e))
+    per_step = {}
+    for k in (1, 8):
+        cfg = C.load("configs/tiny.yaml", [
+            "model.vocab_size=1024", "model.d_model=896", "model.n_heads=14", "model.n_kv_heads=2",
+            "model.head_dim=64", "model.d_ff=1024", "model.n_layers=2", "model.dtype=bfloat16",
+            "model.learned_positions=0", "engine.max_concurrent_decodes=64", "engine.max_prompt_len=256",
+            "rollout.max_new_tokens=768", f"engine.steps_per_call={k}"])
+        eng, params, state = PL._engine(cfg, 1024, devices, unroll=True)
+        assert eng.recent  # on TPU by default
+        per_step[k] = PL._cost(PL._decode_call(eng).lower(params, state).compile())[1] / k
+    kv = 2 * 2 * 16 * 2 * 1024 * 64 * 2  # k and v, 2 layers, 16 slots per chip, bf16
+    assert per_step[1] > 4 * kv  # the per-token relayout this guards against
+    assert per_step[8] < per_step[1] / 2.5, per_step
