@@ -204,7 +204,7 @@ class Engine:
         self._insert = jax.jit(self._insert_impl, in_shardings=(pre, st, rep, rep, rep, rep, rep), out_shardings=st,
                                donate_argnums=1)
         self._out_sh = (st, NamedSharding(self.mesh, PS(None, data)))  # state, [K, S] tokens and logprobs
-        self._decoders: dict[tuple[int, bool], Any] = {}  # (window, multi-step) -> jitted decode
+        self._decoders: dict[tuple[int, bool, bool], Any] = {}  # (window, multi-step, last forward) -> decode
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
     def _decoder(self, window: int, multi: bool, last_forward: bool = True):
