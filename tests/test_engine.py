@@ -112,7 +112,7 @@ def test_sharded_slots_over_all_devices_match_one_device(model, prompts):
     assert len(jax.devices()) == 4
     one = make_engine(graphdef, temperature=1.0)
     many = make_engine(graphdef, temperature=1.0, devices=None)
-    assert many.init_decode_state().cache["k"].sharding.spec[1] == "data"
+    assert jax.tree.leaves(many.init_decode_state().cache["k"])[0].sharding.spec[0] == "data"
     a = generate_all(one, one.load_params(params), prompts, samples=2, eos_id=EOS)
     b = generate_all(many, many.load_params(params), prompts, samples=2, eos_id=EOS)
     for ra, rb in zip(a, b):
@@ -179,17 +179,23 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
     assert set(np.asarray(toks).tolist()) == {greedy}
 
 
-@pytest.mark.parametrize("devices,recent", [("one", False), (None, False), ("one", True), (None, True)])
-def test_generate_steps_equals_single_steps(model, prompts, devices, recent):
-    """K decode steps in one call produce the tokens and logprobs of K single calls, also with
-    the call's new columns kept beside the cache and written at its end (`recent`)."""
+# KV-cache layouts: one buffer per layer written in place (CPU default), stacked and written
+# after each step's layer loop, stacked and written once per call (`recent`, TPU default)
+LAYOUTS = {"per_layer": dict(per_layer=True), "stacked": dict(per_layer=False), "recent": dict(recent=True)}
+
+
+@pytest.mark.parametrize("devices,layout", [("one", "per_layer"), (None, "per_layer"), ("one", "stacked"),
+                                            ("one", "recent"), (None, "recent")])
+def test_generate_steps_equals_single_steps(model, prompts, devices, layout):
+    """K decode steps in one call produce the tokens and logprobs of K single calls of the
+    stacked cache, in every cache layout."""
     graphdef, params = model
-    kw = dict(temperature=1.0, top_k=5, devices=devices)
-    one = make_engine(graphdef, **kw)
+    devices = jax.devices()[:1] if devices == "one" else jax.devices()
+    one = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
+                 top_k=5, top_p=1.0, seed=7, devices=devices, per_layer=False)
     many = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                  top_k=5, top_p=1.0, seed=7, devices=one.mesh.devices.ravel().tolist(), steps_per_call=3,
-                  recent=recent)
-    assert many.recent is recent
+                  top_k=5, top_p=1.0, seed=7, devices=devices, steps_per_call=3, **LAYOUTS[layout])
+    assert (many.recent, many.per_layer) == (layout == "recent", layout == "per_layer")
     p1, pk = one.load_params(params), many.load_params(params)
     s1, sk = one.init_decode_state(), many.init_decode_state()
     for slot in range(4):
@@ -211,14 +217,14 @@ def test_generate_steps_equals_single_steps(model, prompts, devices, recent):
     np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)
 
 
-@pytest.mark.parametrize("k,recent", [(1, False), (4, False), (4, True)])
-def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k, recent):
+@pytest.mark.parametrize("k,layout", [(1, "per_layer"), (4, "per_layer"), (4, "stacked"), (4, "recent")])
+def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k, layout):
     """Once every active slot samples its last column (P + N - 1) in a call, the forward pass
     after it has no use and is not compiled into that call; tokens and logprobs stay those
     of the decode that runs it."""
     graphdef, params = model
     engines = [Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                      top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=k, recent=recent)
+                      top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=k, **LAYOUTS[layout])
                for _ in range(2)]
     engines[1].last_forward = lambda state, steps: True  # the reference runs every forward pass
     outs = []

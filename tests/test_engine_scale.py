@@ -83,7 +83,7 @@ def test_tensor_parallel_generates_what_one_device_does(model, tensor):
     assert dict(tp.mesh.shape) == {"data": 4 // tensor, "tensor": tensor}
     p = tp.load_params(params)
     assert p["layers"]["attn"]["q"]["kernel"].sharding.spec[-1] == "tensor"
-    assert tp.init_decode_state().cache["k"].sharding.spec[2] == "tensor"
+    assert tp.per_layer and tp.init_decode_state().cache["k"][0].sharding.spec[1] == "tensor"  # [S, Hkv, T, hd]
     a = generate_all(one, one.load_params(params), ps, samples=2, eos_id=EOS)
     b = generate_all(tp, p, ps, samples=2, eos_id=EOS)
     worst = 0.0
@@ -115,7 +115,7 @@ def test_weights_and_cache_in_the_compute_dtype():
     assert p["layers"]["mlp"]["up"]["kernel"].dtype == jnp.bfloat16
     assert p["embed"]["embedding"].dtype == jnp.bfloat16
     assert p["final_norm"]["scale"].dtype == jnp.float32  # read in fp32 by the model
-    assert eng.init_decode_state().cache["k"].dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(eng.init_decode_state().cache)} == {jnp.dtype(jnp.bfloat16)}
     # fresh buffers: a donating learner may free what it passed in
     assert p["embed"]["embedding"].unsafe_buffer_pointer() != params["embed"]["embedding"].unsafe_buffer_pointer()
     eng.update_params(p, version=1)
@@ -131,13 +131,15 @@ def long_engine(graphdef, **kw):
                   top_k=0, top_p=1.0, seed=7, devices=kw.pop("devices", jax.devices()[:1]), **kw)
 
 
-@pytest.mark.parametrize("steps,recent", [(1, False), (3, False), (3, True)])
-def test_decode_windows_match_full_width(model, steps, recent):
-    """Windowed decode (and, with `recent`, a call's new columns kept beside the cache and
-    written at its end) equals full-width decode writing every step."""
+@pytest.mark.parametrize("steps,layout", [(1, "per_layer"), (3, "per_layer"), (3, "stacked"), (3, "recent")])
+def test_decode_windows_match_full_width(model, steps, layout):
+    """Windowed decode, in each KV-cache layout (one buffer per layer; stacked; stacked with a
+    call's new columns kept beside it and written at its end), equals full-width decode of
+    the stacked cache writing every step."""
     graphdef, params = model
-    win = long_engine(graphdef, steps_per_call=steps, recent=recent)
-    full = long_engine(graphdef, steps_per_call=steps, windows=False, recent=False)
+    layouts = {"per_layer": dict(per_layer=True), "stacked": dict(per_layer=False), "recent": dict(recent=True)}
+    win = long_engine(graphdef, steps_per_call=steps, **layouts[layout])
+    full = long_engine(graphdef, steps_per_call=steps, windows=False, per_layer=False)
     assert win.windows == (16, 32, 48) and full.windows == (48,)
     ps = prompts(6, seed=1)
     outs = []
