@@ -48,6 +48,9 @@ class Pump:
         self.decode_state = engine.init_decode_state()
         self.slots: list[tuple[Group, int] | None] = [None] * engine.max_concurrent_decodes
         self.published: dict[int, object] = {version: params}
+        # leaves of published versions not yet seen computed (flattened once, at publication:
+        # the pump asks at every wake-up, and flattening the tree cost more than the check)
+        self._in_flight: dict[int, list] = {}
         self.version = version  # weights the engine runs now
         self.latest = version  # newest published
         self.params = params
@@ -84,6 +87,7 @@ class Pump:
     def publish(self, version: int, params) -> None:
         with self.ledger.changed:
             self.published[version] = params
+            self._in_flight[version] = jax.tree.leaves(params)
             self.latest = max(self.latest, version)
             self.ledger.changed.notify_all()
         self._computing.put(params)
@@ -194,16 +198,19 @@ class Pump:
             if self._cut_below is not None and need >= self._cut_below:
                 return
             self._swap(need)
-            for v in [v for v in self.published if v < need]:
-                del self.published[v]
+            self._drop(lambda v: v < need)
         else:
             ready = self._newest_ready()
             if ready > self.version and (self.partial or not any(self.slots)):
                 self._swap(ready)
             # a version goes once a newer one is computed, not when one is published: dropping
             # it at publication would leave the engine waiting for weights still in flight
-            for v in [v for v in self.published if v < ready and v != self.version]:
-                del self.published[v]
+            self._drop(lambda v: v < ready and v != self.version)
+
+    def _drop(self, which) -> None:
+        for v in [v for v in self.published if which(v)]:
+            del self.published[v]
+            self._in_flight.pop(v, None)
 
     def _newest_ready(self) -> int:
         """The newest published version whose weights are computed: swapping to one still in
@@ -211,7 +218,9 @@ class Pump:
         for v in sorted(self.published, reverse=True):
             if v <= self.version:
                 return self.version
-            if all(x.is_ready() for x in jax.tree.leaves(self.published[v])):
+            leaves = self._in_flight.get(v)
+            if leaves is None or all(x.is_ready() for x in leaves):
+                self._in_flight.pop(v, None)
                 return v
         return self.version
 
@@ -349,12 +358,10 @@ class Pump:
     def _record(self, toks_KxS, lps_KxS, live: list, version: int, take_S, ended_S) -> None:
         """Appends a fetched chunk's tokens, logprobs and version to their samples: the lists
         are built outside the lock, which is held only to commit them."""
-        rows = []
-        for slot, occ in enumerate(live):
-            if occ is not None:
-                n = int(take_S[slot])
-                rows.append((slot, occ, toks_KxS[:n, slot].tolist(), lps_KxS[:n, slot].tolist(), [version] * n,
-                             bool(ended_S[slot])))
+        toks_SxK, lps_SxK = toks_KxS.T.tolist(), lps_KxS.T.tolist()  # one conversion, not one per slot
+        take, ended_ = take_S.tolist(), ended_S.tolist()
+        rows = [(slot, occ, toks_SxK[slot][:take[slot]], lps_SxK[slot][:take[slot]], [version] * take[slot],
+                 bool(ended_[slot])) for slot, occ in enumerate(live) if occ is not None]
         finished: list[tuple[Group, Sample]] = []
         with self.ledger.changed:
             for slot, occ, toks, lps, versions, ended in rows:
