@@ -153,7 +153,7 @@ class EngineConfig:
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # nucleus mass kept; 1 = off
     steps_per_call: int = 8  # decode steps per engine call (one dispatch and host sync per K tokens)
-    prefill_rows: int = 16  # sequences per batched prefill call (deterministic runs: 1), rows
+    prefill_rows: int = 32  # sequences per batched prefill call (deterministic runs: 1), rows
 
     def __post_init__(self):
         _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes",

@@ -75,7 +75,7 @@ class Journal:
         self.usage = Usage()
         self.sampler = self.ledger = None
         self.latest = step
-        self.write_s = 0.0  # time the pump thread spent encoding and queueing records
+        self.write_s = 0.0  # time the pump's reward thread spent encoding and queueing records
         self.sync_s = 0.0  # time the sync thread spent in fdatasync
         self._lock = threading.Lock()  # the buffer and which segment is open
         self._sync_lock = threading.Lock()  # fdatasync, and closing file descriptors

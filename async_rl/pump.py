@@ -4,8 +4,8 @@ Owns: drawing records from the Grain iterator into the ledger (one lock for both
 choosing which samples go into free engine slots (continuations of saved half-finished
 samples first, then pending groups, then new draws, as the sampler's gate allows),
 recording every generated token with its behaviour logprob and policy version,
-rewarding finished samples, swapping in published weights, and pausing for a
-deterministic checkpoint cut. Does not own: which groups train when (sampler), the
+rewarding finished samples (on a thread of its own, so reward code never holds up the
+engine), swapping in published weights, and pausing for a deterministic checkpoint cut. Does not own: which groups train when (sampler), the
 weights (learner publishes them), or saving (train/checkpoint).
 """
 
@@ -37,7 +37,7 @@ class PumpStats:
 class Pump:
     def __init__(self, *, ledger: Ledger, sampler, engine, iterator, tokenizer, reward_fn,
                  max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
-                 journal=None, prefill_rows: int = 16):
+                 journal=None, prefill_rows: int = 32):
         self.ledger, self.sampler, self.engine = ledger, sampler, engine
         self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
@@ -65,12 +65,18 @@ class Pump:
         # out at its next poll, a delay on the critical path of every synchronous step)
         self._computing: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher = threading.Thread(target=self._watch_computed, name="pump-weights", daemon=True)
+        # finished samples wait here for their rewards, in the order they finished: the pump
+        # goes on to the next chunk meanwhile (a sample is done but not READY until rewarded,
+        # a state a checkpoint cut may hold: a resumed run rewards it, `_reward_backlog`)
+        self._to_reward: queue.SimpleQueue = queue.SimpleQueue()
+        self._rewarder = threading.Thread(target=self._reward_loop, name="pump-rewards", daemon=True)
 
     # ---- control (learner thread) --------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
         self._watcher.start()
+        self._rewarder.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -79,6 +85,9 @@ class Pump:
             self.ledger.changed.notify_all()
         self._thread.join(timeout=60)
         self._watcher.join(timeout=60)
+        self._to_reward.put(None)  # after the pump thread: it queues until it exits
+        if self._rewarder.is_alive():
+            self._rewarder.join(timeout=60)
 
     @property
     def alive(self) -> bool:
@@ -378,7 +387,18 @@ class Pump:
                     finished.append((g, s))
             self._ended = {}
             self.ledger.changed.notify_all()
-        self._reward(finished, version)
+        if finished:
+            self._to_reward.put((finished, version))
+
+    def _reward_loop(self) -> None:
+        """The reward thread: rewards each queued batch of finished samples, in order."""
+        try:
+            while (item := self._to_reward.get()) is not None:
+                self._reward(*item)
+        except BaseException as e:  # surfaced to the learner, which stops the run
+            self.error = self.error or e
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
 
     def _reward(self, finished: list[tuple[Group, Sample]], version: int | None = None) -> None:
         """Rewards outside the lock (user reward code may be slow), then marks READY groups."""

@@ -153,7 +153,7 @@ def main() -> None:
                         "audit"], rows)
     frac = base["last"].get("perf/journal_write_frac")
     print(f"journal writes: {100 * frac:.2f}% of generation time (uninterrupted run, journal.fsync_every_s=1.0: "
-          "pump-thread time encoding and queueing records / its time in engine calls)")
+          "reward-thread time encoding and queueing records / the pump's time in engine calls)")
     for r in (on, off):
         for line in r.get("resumes", []):
             print(f"  {r['name']}, last session: {line}")
