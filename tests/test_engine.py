@@ -112,7 +112,8 @@ def test_sharded_slots_over_all_devices_match_one_device(model, prompts):
     assert len(jax.devices()) == 4
     one = make_engine(graphdef, temperature=1.0)
     many = make_engine(graphdef, temperature=1.0, devices=None)
-    assert jax.tree.leaves(many.init_decode_state().cache["k"])[0].sharding.spec[0] == "data"
+    k0 = jax.tree.leaves(many.init_decode_state().cache["k"])[0]  # [S, ...] per layer, or [L, S, ...]
+    assert k0.sharding.spec[0 if many.per_layer else 1] == "data"
     a = generate_all(one, one.load_params(params), prompts, samples=2, eos_id=EOS)
     b = generate_all(many, many.load_params(params), prompts, samples=2, eos_id=EOS)
     for ra, rb in zip(a, b):
@@ -182,6 +183,19 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
 # KV-cache layouts: one buffer per layer written in place (CPU default), stacked and written
 # after each step's layer loop, stacked and written once per call (`recent`, TPU default)
 LAYOUTS = {"per_layer": dict(per_layer=True), "stacked": dict(per_layer=False), "recent": dict(recent=True)}
+
+
+def test_cache_layout_defaults(model):
+    """CPU: one buffer per layer from 128 slots (measured faster there, slower at 32); the
+    stacked cache below; never both per-layer and the recent block."""
+    graphdef, _ = model
+    kw = dict(vocab_size=V, max_prompt_len=P, max_new_tokens=N, temperature=1.0, top_k=0, top_p=1.0, seed=7,
+              devices=jax.devices()[:1])
+    assert not Engine(CFG, graphdef, slots=4, **kw).per_layer
+    assert Engine(CFG, graphdef, slots=128, **kw).per_layer
+    assert not Engine(CFG, graphdef, slots=128, recent=True, **kw).per_layer
+    with pytest.raises(ValueError, match="recent"):
+        Engine(CFG, graphdef, slots=4, recent=True, per_layer=True, **kw)
 
 
 @pytest.mark.parametrize("devices,layout", [("one", "per_layer"), (None, "per_layer"), ("one", "stacked"),

@@ -74,16 +74,17 @@ def model():
     return graphdef, jax.tree.map(lambda x: x * 3.0, params)
 
 
-@pytest.mark.parametrize("tensor", [2, 4])
-def test_tensor_parallel_generates_what_one_device_does(model, tensor):
+@pytest.mark.parametrize("tensor,per_layer", [(2, True), (4, True), (4, False)])
+def test_tensor_parallel_generates_what_one_device_does(model, tensor, per_layer):
     graphdef, params = model
     ps = prompts()
     one = make_engine(CFG, graphdef)
-    tp = make_engine(CFG, graphdef, devices=jax.devices(), tensor=tensor)
+    tp = make_engine(CFG, graphdef, devices=jax.devices(), tensor=tensor, per_layer=per_layer)
     assert dict(tp.mesh.shape) == {"data": 4 // tensor, "tensor": tensor}
     p = tp.load_params(params)
     assert p["layers"]["attn"]["q"]["kernel"].sharding.spec[-1] == "tensor"
-    assert tp.per_layer and tp.init_decode_state().cache["k"][0].sharding.spec[1] == "tensor"  # [S, Hkv, T, hd]
+    k0 = jax.tree.leaves(tp.init_decode_state().cache["k"])[0]  # [S, Hkv, T, hd] per layer, or [L, S, Hkv, T, hd]
+    assert k0.sharding.spec[1 if per_layer else 2] == "tensor"
     a = generate_all(one, one.load_params(params), ps, samples=2, eos_id=EOS)
     b = generate_all(tp, p, ps, samples=2, eos_id=EOS)
     worst = 0.0
