@@ -5,8 +5,9 @@ choosing which samples go into free engine slots (continuations of saved half-fi
 samples first, then pending groups, then new draws, as the sampler's gate allows),
 recording every generated token with its behaviour logprob and policy version,
 rewarding finished samples (on a thread of its own, so reward code never holds up the
-engine), swapping in published weights, and pausing for a deterministic checkpoint cut. Does not own: which groups train when (sampler), the
-weights (learner publishes them), or saving (train/checkpoint).
+engine), swapping in published weights, and pausing for a deterministic checkpoint cut.
+Does not own: which groups train when (sampler), the weights (learner publishes them),
+or saving (train/checkpoint).
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ class Pump:
         return self._thread.is_alive()
 
     def publish(self, version: int, params) -> None:
+        leaves = jax.tree.leaves(params)  # flattened before taking the lock the pump waits on
         with self.ledger.changed:
             self.published[version] = params
-            self._in_flight[version] = jax.tree.leaves(params)
+            self._in_flight[version] = leaves
             self.latest = max(self.latest, version)
             self.ledger.changed.notify_all()
         self._computing.put(params)

@@ -11,6 +11,7 @@ from async_rl.config import ModelConfig
 from async_rl.decoding import generate_all, naive_generate
 from async_rl.engine import Engine, sample_token
 from async_rl.model import Transformer, layout
+from helpers import CACHE_LAYOUTS
 
 V, P, N, EOS = 40, 8, 8, 2
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qkv_bias=True,
@@ -180,11 +181,6 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
     assert set(np.asarray(toks).tolist()) == {greedy}
 
 
-# KV-cache layouts: one buffer per layer written in place (CPU default), stacked and written
-# after each step's layer loop, stacked and written once per call (`recent`, TPU default)
-LAYOUTS = {"per_layer": dict(per_layer=True), "stacked": dict(per_layer=False), "recent": dict(recent=True)}
-
-
 def test_cache_layout_defaults(model):
     """CPU: one buffer per layer from 128 slots (measured faster there, slower at 32); the
     stacked cache below; never both per-layer and the recent block."""
@@ -208,7 +204,7 @@ def test_generate_steps_equals_single_steps(model, prompts, devices, layout):
     one = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
                  top_k=5, top_p=1.0, seed=7, devices=devices, per_layer=False)
     many = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                  top_k=5, top_p=1.0, seed=7, devices=devices, steps_per_call=3, **LAYOUTS[layout])
+                  top_k=5, top_p=1.0, seed=7, devices=devices, steps_per_call=3, **CACHE_LAYOUTS[layout])
     assert (many.recent, many.per_layer) == (layout == "recent", layout == "per_layer")
     p1, pk = one.load_params(params), many.load_params(params)
     s1, sk = one.init_decode_state(), many.init_decode_state()
@@ -238,7 +234,7 @@ def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k, layou
     of the decode that runs it."""
     graphdef, params = model
     engines = [Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                      top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=k, **LAYOUTS[layout])
+                      top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=k, **CACHE_LAYOUTS[layout])
                for _ in range(2)]
     engines[1].last_forward = lambda state, steps: True  # the reference runs every forward pass
     outs = []

@@ -13,6 +13,7 @@ from async_rl.config import ModelConfig
 from async_rl.decoding import generate_all
 from async_rl.engine import Engine
 from async_rl.model import Transformer, layout
+from helpers import CACHE_LAYOUTS
 
 V, P, N, EOS = 40, 8, 8, 2
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=64, qkv_bias=True, tie_embeddings=False)
@@ -138,8 +139,7 @@ def test_decode_windows_match_full_width(model, steps, layout):
     call's new columns kept beside it and written at its end), equals full-width decode of
     the stacked cache writing every step."""
     graphdef, params = model
-    layouts = {"per_layer": dict(per_layer=True), "stacked": dict(per_layer=False), "recent": dict(recent=True)}
-    win = long_engine(graphdef, steps_per_call=steps, **layouts[layout])
+    win = long_engine(graphdef, steps_per_call=steps, **CACHE_LAYOUTS[layout])
     full = long_engine(graphdef, steps_per_call=steps, windows=False, per_layer=False)
     assert win.windows == (16, 32, 48) and full.windows == (48,)
     ps = prompts(6, seed=1)
