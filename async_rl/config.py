@@ -368,7 +368,7 @@ GROUPS = tuple(f.name for f in dataclasses.fields(Config))
 # directory safety"). Fields listed nowhere are free to change (learning rate, max_steps, logging...).
 # Changing one of these would make a checkpoint's iterator state and ledger mean other prompts.
 DATA_STREAM_FIELDS = (
-    "data.source", "data.task", "data.path", "data.num_records", "data.seed", "data.shuffle",
+    "data.source", "data.task", "data.num_records", "data.seed", "data.shuffle",
     "data.min_digits", "data.max_digits", "data.prompt_field", "data.answer_field", "data.id_field",
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "sampler.name",
 )

@@ -17,6 +17,7 @@ had not drawn from the epochs they had started, then continues with its new shar
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -175,9 +176,31 @@ class PromptDataset:
         sig = {"shard": [self.process_index, self.process_count],
                "records_per_epoch": self.records_per_epoch,
                "ids_sha256": digest.hexdigest()[:16]}
+        if self._source is not None and self._source.digests is not None:
+            mine = self._source.digests[self.process_index::self.process_count]
+            sig["records_sha256"] = hashlib.sha256(mine.tobytes()).hexdigest()[:16]
         if self.partition is not None and self.partition.generation:
             sig["partition"] = self.partition.digest()
         return sig
+
+    def record_digests(self) -> str | None:
+        """This shard's per-record content digests (base64), saved with the iterator state so
+        that a changed file can be refused naming its first changed record."""
+        if self._source is None or self._source.digests is None:
+            return None
+        return base64.b64encode(self._source.digests[self.process_index::self.process_count].tobytes()).decode()
+
+    def first_changed(self, saved_b64: str) -> str:
+        """The first record of this shard whose content differs from the saved digests."""
+        src, q, m = self._source, self.process_index, self.process_count
+        saved = np.frombuffer(base64.b64decode(saved_b64), np.uint32)
+        now = src.digests[q::m]
+        n = min(len(saved), len(now))
+        diff = np.flatnonzero(saved[:n] != now[:n])
+        if not len(diff):
+            return f"the shard had {len(saved)} records, now {len(now)}"
+        i = q + int(diff[0]) * m
+        return f"{src.kind} {src.where[i]} (prompt_id {int(src.ids[i])}) differs from what was trained"
 
     def epoch_at(self, position: int) -> int:
         """The epoch of the record at `position` of this stream (num_epochs past its end)."""
@@ -328,6 +351,7 @@ def load_prompt_file(cfg: Config, tokenizer) -> tuple[list[dict], list[BadRecord
                             f"and {kind} {where}")
         seen[pid] = where
         longest = max(longest, r.pop("_len"))
+        r["_where"] = where
         records.append(r)
         if d.num_records and len(records) == d.num_records:
             break
@@ -340,6 +364,12 @@ def load_prompt_file(cfg: Config, tokenizer) -> tuple[list[dict], list[BadRecord
         log.warning("%s: skipped %d bad records (first: %s %d: %s)", path, len(bad), kind,
                     bad[0].line, bad[0].reason)
     return records, bad, longest
+
+
+def _content_digest(rec: dict) -> int:
+    """What training reads of a record (id, prompt, answer), as 32 bits of sha256."""
+    raw = json.dumps([int(rec["prompt_id"]), rec["prompt"], rec["answer"]], ensure_ascii=False).encode()
+    return int.from_bytes(hashlib.sha256(raw).digest()[:4], "little")
 
 
 # --- the stream ------------------------------------------------------------------------
@@ -377,6 +407,9 @@ class _Source:
     max_len: int  # engine.max_prompt_len
     longest: int  # longest encoded prompt
     name: str
+    digests: np.ndarray | None = None  # uint32 content digest of each record (prompt files only)
+    where: list | None = None  # line/row of each record in the file, for messages
+    kind: str = "record"  # "line" or "row"
 
 
 def build_dataset(cfg: Config, tokenizer, *, process_index: int = 0, process_count: int = 1,
@@ -397,15 +430,19 @@ def build_dataset(cfg: Config, tokenizer, *, process_index: int = 0, process_cou
         ids = np.arange(d.num_records, dtype=np.int64)
         lookup = grain.MapDataset.range(d.num_records).map(_Synthetic(d))
         name = f"synthetic:{d.task}"
+        where, digests = None, None  # the config fields alone define synthetic records
     else:
         records, bad, longest = load_prompt_file(cfg, tokenizer)
         ids = np.asarray([r["prompt_id"] for r in records], dtype=np.int64)
+        where = [r.pop("_where") for r in records]
+        digests = np.asarray([_content_digest(r) for r in records], dtype=np.uint32)
         lookup = records
         name = str(d.path)
     if len(ids) < process_count:
         raise DataError(f"{name}: {len(ids)} records cannot be split over {process_count} processes")
     order = _Order(len(ids), _shuffle_seed(d.seed) if d.shuffle else None, d.num_epochs)
-    src = _Source(lookup, ids, order, tokenizer, max_len, longest, name)
+    src = _Source(lookup, ids, order, tokenizer, max_len, longest, name, digests, where,
+                  "line" if d.source == "jsonl" else "row")
     part = partition or Partition(process_count)
     if part.processes != process_count:
         raise ValueError(f"partition for {part.processes} processes, this job has {process_count}")
@@ -431,23 +468,38 @@ class PromptIterator(grain.DatasetIterator):
     other prompts. A plain grain state (no signature) is accepted.
     """
 
-    def __init__(self, parent: grain.DatasetIterator, signature: dict[str, Any], length: int):
+    def __init__(self, parent: grain.DatasetIterator, signature: dict[str, Any], length: int,
+                 pd: "PromptDataset | None" = None):
         super().__init__(parent)
         self._signature = signature
         self._length = length
+        self._pd = pd
+        self._records = pd.record_digests() if pd is not None else None
 
     def __next__(self) -> dict:
         return next(self._parent)
 
     def get_state(self) -> dict[str, Any]:
-        return {**self._parent.get_state(), "stream": self._signature}
+        state = {**self._parent.get_state(), "stream": self._signature}
+        if self._records is not None:
+            state["records"] = self._records
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         saved = state.get("stream")
-        if saved is not None and saved != self._signature:
+        now = self._signature
+        if saved is not None and "records_sha256" not in saved:  # saved before content digests
+            now = {k: v for k, v in now.items() if k != "records_sha256"}
+        if saved is not None and saved != now:
+            if (saved.get("records_sha256") != now.get("records_sha256") and state.get("records")
+                    and self._pd is not None and {**saved, "records_sha256": None} == {**now, "records_sha256": None}):
+                raise DataError(f"{self._pd.source}: the prompt file changed since the checkpoint was written: "
+                                f"{self._pd.first_changed(state['records'])}; resuming would train other prompts "
+                                "than the saved ledger and iterator mean. Restore the file or use a new run.dir "
+                                "(nothing was changed)")
             raise DataError(f"data iterator state is for another stream ({saved}), this one is "
                             f"{self._signature}: the data, its order or the process count changed")
-        inner = {k: v for k, v in state.items() if k != "stream"}
+        inner = {k: v for k, v in state.items() if k not in ("stream", "records")}
         if not 0 <= inner.get("next_index", -1) <= self._length:
             raise DataError(f"data iterator state {inner} is outside this stream of {self._length} records")
         self._parent.set_state(inner)
@@ -469,4 +521,4 @@ def make_iterator(pd: PromptDataset) -> PromptIterator:
     records returned by `next()`, and nothing is read or tokenised ahead of it."""
     opts = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     inner = pd.dataset.to_iter_dataset(opts).__iter__()
-    return PromptIterator(inner, pd.stream_signature(), len(pd.dataset))
+    return PromptIterator(inner, pd.stream_signature(), len(pd.dataset), pd)

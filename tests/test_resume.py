@@ -178,3 +178,27 @@ def test_damaged_latest_step_falls_back(tmp_path, xla_cache):
     steps = steps_of(tmp_path)
     assert sorted(steps) == [1, 2, 3, 4, 5]
     assert sorted(p for ids in steps.values() for p in ids) == list(range(15))
+
+
+def test_an_edited_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_cache):
+    data = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": f"{i}{i + 1}=", "answer": f"{i + 1}{i}"}) + "\n" for i in range(12)]
+    data.write_text("".join(lines))
+    ov = ["data.source=jsonl", "data.num_records=0", "data.shuffle=false", "rollout.reward=exact_match",
+          "rollout.prompts_per_step=3", "checkpoint.every_steps=2"]
+    r = run_cli(tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=2", cache=xla_cache)
+    assert r.returncode == 0, r.stderr
+    before = tree_digest(tmp_path / "run")
+    data.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same size, same line count
+    r = run_cli(tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=4", cache=xla_cache)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "prompt file changed" in r.stderr and "line 1 (prompt_id 0)" in r.stderr, r.stderr[-2000:]
+    assert tree_digest(tmp_path / "run") == before
+    moved = tmp_path / "elsewhere" / "prompts.jsonl"
+    moved.parent.mkdir()
+    moved.write_text("".join(lines))
+    data.unlink()
+    r = run_cli(tmp_path / "run", *ov, f"data.path={moved}", "train.max_steps=4", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed step 2" in r.stderr
+    assert sorted(p for ids in steps_of(tmp_path / "run").values() for p in ids) == list(range(12))
