@@ -32,6 +32,9 @@ MANIFESTS = ("config.yaml", "data.json", "final.json", "reward.png", ".checkpoin
 # Written once a checkpoint of the run is seen committed: from then on its logs are history
 # that a checkpoint covered, and a directory that has lost every step is never started over.
 MARKER = ".checkpointed"
+# Written before a restart moves anything, removed after: names the folder it moves into,
+# so that a restart killed half-way is recognised and finished, never resumed from.
+RESTARTING = ".restarting"
 
 
 class RunDirError(ConfigError):
@@ -88,19 +91,39 @@ def describe(hist: dict[str, int]) -> str:
     return ", ".join(f"{k} ({v})" for k, v in sorted(hist.items()))
 
 
+def interrupted_restart(path: Path) -> Path | None:
+    """The folder an interrupted run.resume=restart was moving the history into, or None."""
+    try:
+        return Path(json.loads((Path(path) / RESTARTING).read_text())["dest"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return Path(path) / "previous"  # torn: still a restart that did not finish
+
+
 def archive_history(path: Path) -> Path:
-    """Moves the run's history and manifests into `previous/<time>/` (run.resume=restart)."""
+    """Moves the run's history and manifests into `previous/<time>/` (run.resume=restart);
+    an interrupted restart is finished into the folder it had begun."""
+    from . import faults
+
     p = Path(path)
-    dest = p / "previous" / time.strftime("%Y%m%d-%H%M%S")
-    n = 0
-    while dest.exists():
-        n += 1
-        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
-    dest.mkdir(parents=True)
+    dest = interrupted_restart(p)
+    if dest is None or not dest.is_dir() or dest.parent != p / "previous":
+        dest = p / "previous" / time.strftime("%Y%m%d-%H%M%S")
+        n = 0
+        while dest.exists():
+            n += 1
+            dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        dest.mkdir(parents=True)
+        write_atomic(p / RESTARTING, json.dumps({"dest": str(dest), "time": time.time()}))
     names = [f.name for g in HISTORY_GLOBS for f in p.glob(g)] + list(HISTORY_DIRS) + list(MANIFESTS)
+    moved = 0
     for name in names:
         if (p / name).exists():
             os.replace(p / name, dest / name)
+            moved += 1
+            faults.point("restart", moved)
+    (p / RESTARTING).unlink(missing_ok=True)
     return dest
 
 

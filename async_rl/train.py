@@ -179,6 +179,14 @@ def choose_start(parts: Parts, log) -> Start:
     if cfg.run.resume == "never" and (steps or rundir.history(run_dir)):
         raise ConfigError(f"run.resume=never: {run_dir} already holds a run "
                           f"({rundir.describe(rundir.history(run_dir))}); use a new run.dir (nothing was changed)")
+    half = rundir.interrupted_restart(run_dir)
+    if half is not None and cfg.run.resume != "restart":
+        left = rundir.describe(rundir.history(run_dir)) or "no history"
+        raise CheckpointError(
+            f"{run_dir}: a run.resume=restart was interrupted while moving the history to {half} (left here: "
+            f"{left}); pass run.resume=restart again to finish moving it and start over (nothing was changed)")
+    if half is not None:
+        return Start(step=0, ledger=Ledger(cfg.rollout.samples_per_prompt), state=None, restart=True)
     damaged: list[DamagedStep] = []
     if steps:
         choice = ckpt.restore_latest(parts.learner.abstract_state(), cfg=cfg, warn=lambda m: log(f"warning: {m}"))
@@ -193,7 +201,7 @@ def choose_start(parts: Parts, log) -> Start:
     if rundir.durable(run_dir) and cfg.run.resume != "restart":
         bad = f"; damaged steps: {', '.join(str(d.step) for d in damaged)}" if damaged else ""
         raise CheckpointError(
-            f"{run_dir} holds a run's history ({rundir.describe(hist)}) but no checkpoint step to resume "
+            f"{run_dir} holds a run's history ({rundir.describe(hist) or 'the mark that a checkpoint covered it'}) but no checkpoint step to resume "
             f"from{bad}; refusing to start over and bury it. Resume it with its original config, use a new "
             "run.dir, or pass run.resume=restart to move that history to run.dir/previous/ and start over "
             "(nothing was changed)")

@@ -157,3 +157,28 @@ def test_non_finite_training_stops_before_saving(tmp_path, xla_cache):
     r = run_cli(tmp_path, *BASE, cache=xla_cache)  # back to a sane learning rate: resumes from step 4
     assert r.returncode == 0 and "resumed step 4" in r.stderr, r.stderr[-2000:]
     assert audit(tmp_path)["ok"]
+
+
+def test_a_restart_killed_half_way_is_named_and_finished(tmp_path, xla_cache):
+    from async_rl import rundir
+    r = run_cli(tmp_path, *BASE, "train.max_steps=2", "checkpoint.every_steps=2", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    next((tmp_path / "checkpoints" / "2" / "ledger").glob("*.bin")).unlink()  # no restorable step
+    lines = (tmp_path / "lineage.jsonl").read_bytes()
+    items = [f for g in rundir.HISTORY_GLOBS for f in tmp_path.glob(g)] + \
+        [tmp_path / n for n in rundir.HISTORY_DIRS + rundir.MANIFESTS if (tmp_path / n).exists()]
+    # killed with everything moved but the mark that a checkpoint covered the logs
+    r = run_cli(tmp_path, *BASE, "run.resume=restart", kill_at=f"restart:{len(items) - 1}", cache=xla_cache)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert rundir.history(tmp_path) == {} and (tmp_path / rundir.MARKER).exists()
+    before = tree_digest(tmp_path)
+    r = run_cli(tmp_path, *BASE, "train.max_steps=2", cache=xla_cache)
+    assert r.returncode == 2 and "()" not in r.stderr, r.stderr[-2000:]
+    assert "run.resume=restart was interrupted" in r.stderr and "pass run.resume=restart again" in r.stderr
+    assert tree_digest(tmp_path) == before
+    r = run_cli(tmp_path, *BASE, "train.max_steps=2", "run.resume=restart", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    prev = list((tmp_path / "previous").iterdir())
+    assert len(prev) == 1 and (prev[0] / "lineage.jsonl").read_bytes() == lines
+    assert (prev[0] / rundir.MARKER).exists() and not (tmp_path / rundir.RESTARTING).exists()
+    assert max(x["step"] for x in lineage(tmp_path)) == 2 and audit(tmp_path)["ok"]
