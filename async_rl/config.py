@@ -344,6 +344,10 @@ class Config:
             _check(self.rollout.samples_per_prompt >= 2, "rollout.filter_zero_variance", True,
                    f"needs rollout.samples_per_prompt >= 2 (got {self.rollout.samples_per_prompt}): "
                    "a group of one sample always has zero reward variance")
+        # every sample is its own group's mean: every advantage is zero and nothing is learned
+        _check(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", self.rollout.samples_per_prompt,
+               "must be >= 2: advantages are normalised within each prompt's group, so a group of one "
+               "sample always has advantage 0 and the policy never changes")
         if s.max_buffered_groups:
             _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups",
                    s.max_buffered_groups,

@@ -122,6 +122,7 @@ def test_default_configs_drop_nothing(tmp_path):
     (["sampler.max_staleness=1"], "sampler.max_staleness"),
     (["sampler.name=windowed", "sampler.max_staleness=1", "run.determinism=true"], "run.determinism"),
     (["rollout.filter_zero_variance=true", "rollout.samples_per_prompt=1"], "rollout.filter_zero_variance"),
+    (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt=1: must be >= 2: advantages are normalised"),
 ])
 def test_configs_that_cannot_keep_the_invariants_are_refused(overrides, needle):
     with pytest.raises(C.ConfigError, match=needle.replace(".", r"\.")):
