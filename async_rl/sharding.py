@@ -42,12 +42,18 @@ def init_distributed() -> bool:
     `jax.distributed.initialize`, which takes the coordinator from JAX_COORDINATOR_ADDRESS and
     the process count and id from ASYNC_RL_NUM_PROCESSES / ASYNC_RL_PROCESS_ID when set, or
     detects a TPU pod, SLURM or Open MPI job itself. Must run before anything touches devices.
+    JAX's preemption service is turned off: it installs a SIGTERM handler of its own that
+    would swallow the signal our step loop stops on (every process stops at the step
+    boundary where any was signalled, through `agree`).
     """
     if os.environ.get("ASYNC_RL_DISTRIBUTED", "") != "1" and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return False
     num = os.environ.get("ASYNC_RL_NUM_PROCESSES")
     pid = os.environ.get("ASYNC_RL_PROCESS_ID")
+    from . import signals
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(num_processes=int(num) if num else None, process_id=int(pid) if pid else None)
+    signals.reassert()
     return True
 
 

@@ -52,6 +52,14 @@ def install(log=None) -> Signals:
     return _active
 
 
+def reassert() -> None:
+    """Installs this process's handlers again where a library replaced them behind Python's back
+    (a C++ `sigaction`, e.g. a preemption notifier), so a signal is still ours to act on."""
+    if _active is not None and threading.current_thread() is threading.main_thread():
+        for sig in _active._old:
+            signal.signal(sig, _active._handle)
+
+
 def release(s: Signals) -> None:
     """Undoes one `install`; the last one restores the previous handlers."""
     global _active

@@ -314,6 +314,7 @@ class Session:
         self.history: list[dict] = []
         self.pending = None  # (step, device metrics, host metrics) of the step before the one in flight
         self.reason = "max_steps"
+        self.job_signalled = False  # some process of the job was signalled (agreed at a step boundary)
         self.trained = 0  # steps trained by this process in this session
         self.save_blocking_s: float | None = None
         # The pump thread is mostly Python between engine calls; a shorter GIL switch interval
@@ -350,7 +351,9 @@ class Session:
 
     def next_groups(self) -> list | None:
         """This process's groups of the next step; None when the run stops here."""
-        flags = sharding.agree([self.local_stop(), self.sampler.finished(self.step)])
+        flags = sharding.agree([self.local_stop(), self.sampler.finished(self.step), self.signals.received is not None])
+        if flags[:, 2].any():
+            self.job_signalled = True  # every process saves (or not) alike, whichever was signalled
         if flags[:, 0].any():
             return None
         if flags[:, 1].all():
@@ -480,19 +483,21 @@ class Session:
             self.checkpointed = True
 
     def finish(self) -> None:
-        if self.reason != "data_exhausted" and sharding.agree([self.sampler.finished(self.step)]).all():
+        flags = sharding.agree([self.sampler.finished(self.step), self.signals.received is not None])
+        if self.reason != "data_exhausted" and flags[:, 0].all():
             self.reason = "data_exhausted"
+        self.job_signalled = self.job_signalled or bool(flags[:, 1].any())
         if self.pump.error is not None:
             raise self.pump.error
-        if self.signals.received:
+        if self.job_signalled:
             self.reason = "signal"
-            if not self.trained:
+            if not self.trained and self.signals.received:
                 self.log(f"{self.signals.received} during start-up: stopped before training "
                          f"({'at checkpoint step ' + str(self.step) if self.last_saved >= 0 else 'nothing trained'})")
         if self.evaluator is not None and self.evaluated != self.step and self.pending is not None:
             self.pending[2].update(self.evaluate())  # the end of the run: score its final weights
         self.flush_metrics()
-        if self.last_saved != self.step and (self.trained or not self.signals.received):
+        if self.last_saved != self.step and (self.trained or not self.job_signalled):
             self.save()
         self.ckpt.wait()
         self._mark_checkpointed()

@@ -91,3 +91,69 @@ def test_weights_reach_every_process_engine_in_one_program(tmp_path):
         outs = [p.communicate(timeout=240) for p in procs]
         for p, (out, err) in zip(procs, outs):
             assert p.returncode == 0 and "published" in out, err[-3000:]
+
+
+def _sigterm_one_process(run_dir, target: int):
+    """A 2-process job, SIGTERM to process `target` once step 2 is trained: every process
+    stops at the same step boundary, saves that step once, exits 0; the audit passes."""
+    import signal
+
+    from helpers import checkpoint_steps, finish_job, handles_sigterm, lineage, read_stderr, spawn_job, wait_until
+    procs = spawn_job(run_dir, *BASE, "checkpoint.every_steps=0", nproc=2, devices_per_process=2, delay="step:0.3")
+    try:
+        wait_until(lambda: any(r["step"] >= 2 for r in lineage(run_dir)) or any(p.poll() is not None for p in procs),
+                   timeout=240, what="step 2")
+        assert all(p.poll() is None for p in procs), read_stderr(procs[0])[-3000:]
+        assert handles_sigterm(procs[target].pid)
+        procs[target].send_signal(signal.SIGTERM)
+        codes = finish_job(procs, timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    errs = [read_stderr(p) for p in procs]
+    assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert "SIGTERM: stopping at the next safe point" in errs[target]
+    last = max(r["step"] for r in _rows(run_dir))
+    assert last < 7  # stopped early, not at the end of the data
+    # one save, of the step both stopped after; both processes trained up to it
+    assert checkpoint_steps(run_dir) == [last]
+    assert max(json.loads(l)["step"] for l in (run_dir / "lineage.p1.jsonl").read_text().splitlines()) == last
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["reason"] == "signal" and final["step"] == last
+    assert audit(run_dir)["ok"]
+
+
+@pytest.mark.soak  # two real processes: ~100 s here; CI keeps the handler check below
+def test_sigterm_to_process_1_stops_the_whole_job_with_one_save(tmp_path):
+    _sigterm_one_process(tmp_path, target=1)
+
+
+@pytest.mark.soak
+def test_sigterm_to_process_0_stops_the_whole_job_with_one_save(tmp_path):
+    _sigterm_one_process(tmp_path, target=0)
+
+
+HANDLER = r"""
+import os, signal, time
+from async_rl import signals, sharding
+s = signals.install()
+assert sharding.init_distributed()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("received", s.received)
+"""
+
+
+def test_the_sigterm_handler_after_joining_a_job_is_ours(tmp_path):
+    """jax.distributed.initialize must not leave a SIGTERM handler of its own in place of
+    the one the step loop stops on (a one-process job, on loopback)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import free_port
+    env = dict(os.environ, ASYNC_RL_DISTRIBUTED="1", JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+               ASYNC_RL_NUM_PROCESSES="1", ASYNC_RL_PROCESS_ID="0", TF_CPP_MIN_LOG_LEVEL="0")
+    r = subprocess.run([sys.executable, "-c", HANDLER], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "received SIGTERM" in r.stdout, r.stdout + r.stderr[-3000:]
