@@ -11,8 +11,9 @@ and the newest readable checkpoint's ledger shards, and checking the whole histo
 - across logs: steps contiguous from 1 to the last;
 - against the checkpoint (I1 at its cut): for every process, the ordinals of the lines it had
   written by then and the ordinals its ledger held are disjoint and together exactly
-  0 .. next_ordinal-1; lines written after it (a killed run: cut on resume) belong to later
-  steps and to groups that ledger held;
+  0 .. next_ordinal-1; lines written after it (a live or killed run: a "pending cut", which a
+  resume cuts) belong to later steps, and each to a group that ledger held or to one drawn
+  after its cut;
 - across process counts: a run resumed on another number of processes is a new generation
   (lines tagged `gen`, ordinals from 0 again); the checkpoint records each re-partition, and
   each process of each earlier generation is checked at the re-partition that ended it as
@@ -78,21 +79,14 @@ def _manifest(run: Path) -> dict:
 
 
 def _checkpoint(run: Path, notes: list[str]) -> dict | None:
-    """{step, shards, generations} of the newest checkpoint whose ledger shards all verify."""
-    from .checkpoint import Damaged, read_ledger
-    d = run / "checkpoints"
-    steps = sorted((int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
-        if d.is_dir() else []
-    for step in steps:
-        try:
-            meta = json.loads((d / str(step) / "meta" / "metadata").read_text())
-            n = int(meta.get("processes", 1))
-            shards = [read_ledger(d / str(step) / "ledger", f"process_{i}-of-{n}") for i in range(n)]
-        except (Damaged, OSError, ValueError) as e:
-            notes.append(f"checkpoint step {step} unreadable ({e}); checked against an older one")
-            continue
-        return {"step": step, "shards": shards, "generations": meta.get("generations") or []}
-    return None
+    """{step, shards, generations} of the newest checkpoint whose ledger shards all verify (the
+    one a resume would use)."""
+    from .saved_run import read_ledgers
+    got = read_ledgers(run, warn=lambda m: notes.append(m.removeprefix("warning: ")))
+    if got is None:
+        return None
+    step, meta, shards = got
+    return {"step": step, "shards": shards, "generations": meta.get("generations") or []}
 
 
 def _log_name(i: int) -> str:
@@ -130,10 +124,10 @@ def _cuts(ckpt: dict) -> list[dict]:
     return out
 
 
-def _check_cut(c: dict, path: Path, rows, problems: list[str]) -> int:
+def _check_cut(c: dict, path: Path, rows, problems: list[str]) -> list[int]:
     """I1 at a cut: the ordinals one process of one generation logged by then and those its
-    ledger held are disjoint and together exactly 0 .. next_ordinal-1; returns its lines after
-    the newest checkpoint's cut (a killed run: cut on resume)."""
+    ledger held are disjoint and together exactly 0 .. next_ordinal-1; returns the steps of its
+    lines after the newest checkpoint's cut (a live or killed run: a resume cuts them)."""
     s, want = c["step"], c["bytes"]
     where = f"the re-partition at step {s}" if c["closed"] else f"checkpoint step {s}"
     who = f"{path}" + (f" (generation {c['gen']})" if c["gen"] or c["closed"] else "")
@@ -158,17 +152,18 @@ def _check_cut(c: dict, path: Path, rows, problems: list[str]) -> int:
         if c["closed"]:
             problems.append(f"{path}:{ln}: step {r['step']} of generation {c['gen']} written after {where} ended it")
             break
-        if r["step"] <= s or r["ordinal"] not in held:
+        # after the cut: a group the ledger held, or one drawn after it (ordinal >= next)
+        if r["step"] <= s or (r["ordinal"] not in held and r["ordinal"] < c["next"]):
             problems.append(f"{path}:{ln}: step {r['step']} ordinal {r['ordinal']} written after checkpoint step "
-                            f"{s} but not a group its ledger held")
+                            f"{s} but trained before its cut (not a group its ledger held)")
             break
-    return 0 if c["closed"] else len(after)
+    return [] if c["closed"] else [r["step"] for _, r in after]
 
 
-def _check_history(ckpt: dict, files: dict, problems: list[str]) -> int:
+def _check_history(ckpt: dict, files: dict, problems: list[str]) -> list[int]:
     """Every cut of the run's history (see `_cuts`), and lines no cut accounts for; returns the
-    lines written after the newest checkpoint."""
-    after, covered = 0, set()
+    steps of the lines written after the newest checkpoint."""
+    after, covered = [], set()
     for h, rec in enumerate(ckpt["generations"]):
         held = sum(len(sh["held"]) for sh in rec["shards"])
         if sum(rec["dealt"]) != held:
@@ -185,7 +180,7 @@ def _check_history(ckpt: dict, files: dict, problems: list[str]) -> int:
             if (g, i) in covered:
                 continue
             if g > newest and r["step"] > s:  # an attempt on another process count killed before it saved
-                after += 1
+                after.append(r["step"])
                 continue
             problems.append(f"{path}:{ln}: a line of generation {g}, which has no process {i} in the history "
                             f"of checkpoint step {s}")
@@ -205,7 +200,7 @@ def audit(run_dir: str | Path) -> dict:
     rows: list[dict] = [r for _, proc_rows in files.values() for _, _, r in proc_rows]
     for path, proc_rows in files.values():
         _check_file(path, proc_rows, problems)
-    lines_after = _check_history(ckpt, files, problems) if ckpt is not None else 0
+    pending = _check_history(ckpt, files, problems) if ckpt is not None else []
     steps = {r["step"] for r in rows}
     gaps = sorted(set(range(1, max(steps, default=0) + 1)) - steps)
     if gaps:
@@ -230,7 +225,8 @@ def audit(run_dir: str | Path) -> dict:
                        "complete": e in complete, "ok": not bad})
     return {"run_dir": str(run), "ok": ok, "lines": len(rows), "last_step": max(steps, default=0),
             "finished": bool(final and final.get("reason") == "data_exhausted"), "epochs": epochs,
-            "checkpoint_step": ckpt["step"] if ckpt else None, "lines_after_checkpoint": lines_after,
+            "checkpoint_step": ckpt["step"] if ckpt else None, "lines_after_checkpoint": len(pending),
+            "pending_cut_steps": [min(pending), max(pending)] if pending else None,
             "problems": problems, "notes": notes}
 
 
@@ -257,8 +253,10 @@ def format_report(rep: dict) -> str:
            + (f"; checked against checkpoint step {rep['checkpoint_step']}" if rep["checkpoint_step"] is not None
               else "; no checkpoint to check against")]
     if rep["lines_after_checkpoint"]:
-        out.append(f"note: {rep['lines_after_checkpoint']} lines were written after that checkpoint (a killed run); "
-                   "a resume cuts them and trains those groups again from the ledger")
+        lo, hi = rep["pending_cut_steps"]
+        out.append(f"pending cut: {rep['lines_after_checkpoint']} lines of step{'s' if hi > lo else ''} "
+                   f"{lo}{'-' + str(hi) if hi > lo else ''} were written after that checkpoint (a live or killed run); "
+                   "a resume cuts them and trains those groups again")
     out += [f"note: {n}" for n in rep["notes"]]
     out.append(f"{'epoch':>5} {'expected':>9} {'once':>9} {'missing':>9} {'duplicated':>11} {'status':>12}")
     for e in rep["epochs"]:

@@ -39,6 +39,7 @@ from orbax.checkpoint import future
 
 from . import config as C
 from . import faults, sharding
+from .ckpt_layout import committed_steps, is_step_name, iterator_file, meta_file, process_prefix, step_dir
 from .ledger import Capture, LedgerSnapshot
 
 
@@ -108,9 +109,8 @@ def json_digest(doc: dict) -> str:
 
 
 def _process_prefix(index: int | None = None, count: int | None = None) -> str:
-    i = jax.process_index() if index is None else index
-    n = jax.process_count() if count is None else count
-    return f"process_{i}-of-{n}"
+    return process_prefix(jax.process_index() if index is None else index,
+                          jax.process_count() if count is None else count)
 
 
 # ---- state digests -------------------------------------------------------------------------
@@ -358,7 +358,7 @@ class _FaultyCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
     async def finalize(self, *args, **kwargs):
         name = Path(str(self.get_final())).name
-        if name.isdigit():  # the step directory, not one of its items
+        if is_step_name(name):  # the step directory, not one of its items
             faults.raise_enospc("commit", int(name))
         return await super().finalize(*args, **kwargs)
 
@@ -380,10 +380,8 @@ class Checkpointer:
         self.mngr = ocp.CheckpointManager(self.directory, options=opts)
 
     def steps(self) -> list[int]:
-        """Committed steps (Orbax renames `<step>.orbax-checkpoint-tmp-*` to `<step>` last)."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit())
+        """Committed steps, oldest first."""
+        return committed_steps(self.directory)
 
     # ---- saving --------------------------------------------------------------------------
 
@@ -472,13 +470,13 @@ class Checkpointer:
         """Restores and verifies step `step`; raises Damaged, or ConfigError for a config that
         does not fit it."""
         _quiet_closed_loops()
-        d = self.directory / str(step)
-        meta = _read_signed_json("meta", d / "meta" / "metadata", "meta_sha256")
+        d = step_dir(self.directory, step)
+        meta = self.read_meta(step)
         changes = _check_config(meta, cfg, d) if cfg is not None else []
         reset = _check_structure(d / "state", abstract_state, cfg, changes)
         saved_pc, pc = int(meta.get("processes", 1)), jax.process_count()
-        shards = [self._read_shard(d, _process_prefix(p, saved_pc)) for p in range(saved_pc)] \
-            if saved_pc != pc else [self._read_shard(d, _process_prefix())]
+        shards = [self._read_shard(d, p, saved_pc) for p in range(saved_pc)] \
+            if saved_pc != pc else [self._read_shard(d, jax.process_index(), pc)]
         target = {"params": abstract_state["params"]} if reset else abstract_state
         state = self._read_state(step, target, meta)
         if reset:
@@ -493,12 +491,29 @@ class Checkpointer:
                         changes=[c for c in changes if c.kind == "free"], reset_optimizer=reset,
                         shards=shards if saved_pc != pc else None)
 
-    def _read_shard(self, d: Path, prefix: str) -> tuple[LedgerSnapshot, dict]:
-        ledger = read_ledger(d / "ledger", prefix)
-        return ledger, self._read_iterator(d / "data", ledger.header.get("iterator_sha256"), prefix)
+    def read_meta(self, step: int) -> dict:
+        """Step `step`'s meta document, checked against its digest; raises Damaged."""
+        return _read_signed_json("meta", meta_file(step_dir(self.directory, step)), "meta_sha256")
 
-    def _read_iterator(self, d: Path, want: str | None, prefix: str) -> dict:
-        path = d / f"{prefix}.json"
+    def read_params(self, step: int, abstract_params):
+        """The `params` half of step `step`'s state, checked against the digests the save
+        recorded (the optimizer is not read); raises Damaged. Reads only: a damaged step is
+        left where it is."""
+        _quiet_closed_loops()
+        return self._read_state(step, {"params": abstract_params}, self.read_meta(step))["params"]
+
+    def read_ledgers(self, step: int) -> tuple[dict, list[LedgerSnapshot]]:
+        """(meta, every process's ledger shard) of step `step`, verified; raises Damaged."""
+        meta = self.read_meta(step)
+        n = int(meta.get("processes", 1))
+        return meta, [read_ledger(step_dir(self.directory, step) / "ledger", _process_prefix(i, n))
+                      for i in range(n)]
+
+    def _read_shard(self, d: Path, index: int, count: int) -> tuple[LedgerSnapshot, dict]:
+        ledger = read_ledger(d / "ledger", _process_prefix(index, count))
+        return ledger, self._read_iterator(iterator_file(d, index, count), ledger.header.get("iterator_sha256"))
+
+    def _read_iterator(self, path: Path, want: str | None) -> dict:
         try:
             raw = path.read_bytes()
             state = json.loads(raw)
@@ -511,7 +526,7 @@ class Checkpointer:
         return state
 
     def _read_state(self, step: int, target, meta: dict):
-        d = self.directory / str(step) / "state"
+        d = step_dir(self.directory, step) / "state"
         reader = ocp.PyTreeCheckpointer()  # reads one item; a manager would want to own the directory
         try:
             state = reader.restore(d, args=ocp.args.PyTreeRestore(
@@ -563,11 +578,9 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
 
 def saved_processes(directory: Path) -> tuple[int, int] | None:
     """(step, process count) of the newest committed step in `directory` whose meta reads, or None."""
-    d = Path(directory)
-    for step in sorted((int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
-            if d.is_dir() else []:
+    for step in reversed(committed_steps(directory)):
         try:
-            return step, int(json.loads((d / str(step) / "meta" / "metadata").read_text()).get("processes", 1))
+            return step, int(json.loads(meta_file(step_dir(directory, step)).read_text()).get("processes", 1))
         except (OSError, ValueError, AttributeError):
             continue
     return None

@@ -70,6 +70,10 @@ def _err(msg: str, code: int) -> int:
     return code
 
 
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     # before anything heavy is imported: a SIGTERM during imports or start-up is kept, not fatal
     handlers = signals.install()
@@ -102,7 +106,7 @@ def _main(argv: list[str] | None) -> int:
         from .data import DataError
         from .evaluate import eval_run
         try:
-            step, scores, what = eval_run(args.run_dir, args.step, args.overrides)
+            step, scores, what = eval_run(args.run_dir, args.step, args.overrides, warn=_warn)
         except (C.ConfigError, DataError, FileNotFoundError, ValueError) as e:
             return _err(str(e), 2)
         if args.json:
@@ -114,10 +118,10 @@ def _main(argv: list[str] | None) -> int:
     if args.cmd == "export":
         from .export import export
         try:
-            out = export(args.run_dir, args.out, step=args.step)
+            out, step = export(args.run_dir, args.out, step=args.step, warn=_warn)
         except (C.ConfigError, FileNotFoundError, ValueError) as e:
             return _err(str(e), 2)
-        print(f"exported to {out}")
+        print(f"exported step {step} to {out}")
         return 0
     if args.cmd == "plan":
         return _plan(args)

@@ -110,20 +110,18 @@ def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None) 
     return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices)
 
 
-def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] = ()) -> tuple[int, dict, str]:
-    """`async-rl eval`: (step, metrics, description) of a saved step of a run, read-only."""
+def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] = (),
+             warn=print) -> tuple[int, dict, str]:
+    """`async-rl eval`: (step, metrics, description) of a saved step of a run (by default the
+    newest that verifies), read-only."""
     from flax import nnx
 
-    from .export import load_run, restore_params
     from .model import Transformer
-    cfg, tok, vocab, steps, ckpt_dir = load_run(run_dir)
-    cfg = C.with_overrides(cfg, overrides)
+    from .saved_run import open_run, read_params
+    run = open_run(run_dir)
+    cfg, tok, vocab = C.with_overrides(run.cfg, overrides), run.tok, run.vocab
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every_steps=cfg.eval.every_steps or 1))
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise ValueError(f"--step {step}: no committed checkpoint step {step} in {ckpt_dir} "
-                         f"(steps: {', '.join(map(str, steps))})")
-    params = restore_params(ckpt_dir / str(step) / "state", cfg.model, vocab)
+    step, params = read_params(dataclasses.replace(run, cfg=cfg), step, warn=warn)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0),
                                                               n_tokens=tok.vocab_size)), nnx.Param)[0]
     ev = make_evaluator(cfg, graphdef, vocab, tok)

@@ -1,66 +1,34 @@
 """`async-rl export RUN_DIR [--step N] --out DIR`: a run's policy as a Hugging Face directory.
 
-Owns: finding the run's config and committed checkpoint steps, restoring only the model
-parameters from a step's `state` item (not the optimizer, iterator or ledger), and
-assembling the output directory: weights and config.json (through `hf.save_hf`) plus the
-tokenizer files when the run used a Hugging Face tokenizer. Does not own: the tensor
-layout or config.json fields (`hf`), the checkpoint format (`checkpoint`).
+Owns: assembling the output directory: weights and config.json (through `hf.save_hf`) plus
+the tokenizer files when the run used a Hugging Face tokenizer, written whole into a
+temporary directory beside `--out` and swapped into place (a previous export survives a kill
+at any moment); refusing an `--out` that is a file or holds other files. Does not own: the
+tensor layout or config.json fields (`hf`), choosing and reading a verified step (`saved_run`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import tempfile
 from pathlib import Path
-
-import jax
-import orbax.checkpoint as ocp
-import yaml
-from flax import nnx
+from typing import Callable
 
 from . import config as C
-from . import hf
-from .model import Transformer
-from .tokenizer import HFTokenizer, build_tokenizer
+from . import faults, hf
+from .saved_run import open_run, read_params
+from .tokenizer import HFTokenizer
+
+
+class ExportError(ValueError):
+    """An --out that cannot be written as asked (exit 2); nothing was changed."""
 
 # Files a tokenizer directory may hold that a server needs beside the weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
-
-
-def committed_steps(ckpt_dir: Path) -> list[int]:
-    """Steps Orbax has committed: it renames `<step>.orbax-checkpoint-tmp-*` to `<step>` last."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def _host_sharding() -> jax.sharding.Sharding:
-    # Restore on the host CPU when the platform has one: a model that fills a run's devices
-    # need not fit on one of them.
-    try:
-        dev = jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        dev = jax.local_devices()[0]
-    return jax.sharding.SingleDeviceSharding(dev)
-
-
-def restore_params(state_dir: Path, model_cfg: C.ModelConfig, vocab_size: int) -> nnx.State:
-    """The `params` half of a checkpoint's `state` item, on one host device."""
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, vocab_size, rngs=nnx.Rngs(0)))
-    _, aparams = nnx.split(abstract, nnx.Param)
-    sh = _host_sharding()
-    target = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), aparams)}
-    ckptr = ocp.PyTreeCheckpointer()
-    try:
-        restored = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-    except Exception as e:  # orbax raises many types for a damaged or mismatched step
-        raise ValueError(f"{state_dir}: cannot restore the model parameters "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
-    finally:
-        ckptr.close()
-    return restored["params"]
 
 
 def _base_config(cfg: C.Config) -> dict | None:
@@ -73,55 +41,91 @@ def _base_config(cfg: C.Config) -> dict | None:
         return None
 
 
-def load_run(run_dir: str | Path):
-    """(config, tokenizer, vocabulary size, committed steps, checkpoint dir) of a run, read-only."""
-    run = Path(run_dir).absolute()  # Orbax wants absolute paths
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run}: no such run directory")
-    cfg_path = run / "config.yaml"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: missing (is {run} a run directory?)")
-    try:
-        cfg = C.from_dict(yaml.safe_load(cfg_path.read_text()) or {})
-    except yaml.YAMLError as e:
-        raise C.ConfigError(f"{cfg_path}: not valid YAML ({e})") from None
-    ckpt_dir = run / "checkpoints"
-    steps = committed_steps(ckpt_dir)
-    if not steps:
-        raise FileNotFoundError(f"{ckpt_dir}: no committed checkpoint")
-    # The run's vocabulary: config.json's for HF models, else the tokenizer's (as train sets it).
-    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic")
-    return cfg, tok, cfg.model.vocab_size or tok.vocab_size, steps, ckpt_dir
+def _refuse_out(out: Path) -> None:
+    """An --out that is a file, or a directory holding files an export does not write (they
+    would be replaced with it), is refused before anything is read."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: an existing file, not a directory; choose a new or existing export "
+                          "directory (nothing was changed)")
+    if out.is_dir():
+        ours = {"config.json", hf.INDEX, *TOKENIZER_FILES}
+        other = sorted(p.name for p in out.iterdir()
+                       if not (p.name in ours or (p.name.startswith("model") and p.name.endswith(".safetensors"))))
+        if other:
+            raise ExportError(f"--out {out}: a directory holding files an export does not write "
+                              f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}); choose a new directory "
+                              "or a previous export (nothing was changed)")
 
 
-def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, dtype: str | None = None) -> Path:
-    """Writes checkpoint `step` (default: the latest) of `run_dir` to `out_dir`; returns it.
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Puts the finished export `tmp` at `out`: one atomic exchange where the OS has one (a
+    SIGKILL at any moment leaves the previous export or the new one at `out`)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None and fn(-100, bytes(tmp), -100, bytes(out), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+        faults.point("export", 2)
+        shutil.rmtree(tmp)  # now the previous export
+        return
+    old = tmp.with_name(tmp.name + ".old")  # no exchange here: the previous export is kept beside until renamed
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old)
+
+
+def _clear_stale(parent: Path, name: str) -> None:
+    """Temporaries of exports to `name` whose process is gone (killed mid-export)."""
+    for p in parent.glob(f".{name}.export-*"):
+        try:
+            os.kill(int(p.name.split("-")[-2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, IndexError, OSError):
+            continue
+
+
+def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, dtype: str | None = None,
+           warn: Callable[[str], None] = print) -> tuple[Path, int]:
+    """Writes checkpoint `step` (default: the newest that verifies) of `run_dir` to `out_dir`;
+    returns (out_dir, step).
 
     `dtype` casts the weights (e.g. "bfloat16" for serving); None keeps the trained dtype,
     which loads back bit-identically."""
-    cfg, tok, vocab, steps, ckpt_dir = load_run(run_dir)
-    cfg_path = Path(run_dir) / "config.yaml"
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ValueError(f"--step {step}: no committed checkpoint step {step} in {ckpt_dir} (steps: "
-                         f"{', '.join(map(str, steps))})")
-    state_dir = ckpt_dir / str(step) / "state"
-    if not state_dir.is_dir():
-        raise FileNotFoundError(f"{state_dir}: missing (checkpoint step {step} has no model state)")
+    out = Path(out_dir).expanduser().absolute()
+    _refuse_out(out)
+    run = open_run(run_dir)
+    cfg, tok, vocab = run.cfg, run.tok, run.vocab
     if cfg.model.learned_positions:
-        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {cfg_path}: a learned "
-                         "position table has no Hugging Face Llama/Qwen2 equivalent; such a run cannot be exported")
-    params = restore_params(state_dir, cfg.model, vocab)
+        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {run.run_dir / 'config.yaml'}: "
+                         "a learned position table has no Hugging Face Llama/Qwen2 equivalent; such a run cannot "
+                         "be exported")
+    step, params = read_params(run, step, warn=warn)
     extra = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     base = _base_config(cfg)
-    out = hf.save_hf(params, cfg.model, vocab, out_dir, dtype=dtype, base_config=base,
-                     extra_config=None if base else extra)
-    if isinstance(tok, HFTokenizer):
-        # generation_config.json usually sits beside the original weights, not the tokenizer
-        dirs = [tok.path] + ([Path(cfg.model.hf_path).expanduser()] if cfg.model.hf_path else [])
-        for name in TOKENIZER_FILES:
-            src = next((d / name for d in dirs if (d / name).is_file()), None)
-            if src is not None and src.resolve() != (out / name).resolve():
-                shutil.copyfile(src, out / name)
-    return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clear_stale(out.parent, out.name)
+    # written whole beside the target, then swapped in: a previous export survives any kill
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-{os.getpid()}-", dir=out.parent))
+    try:
+        hf.save_hf(params, cfg.model, vocab, tmp, dtype=dtype, base_config=base, extra_config=None if base else extra)
+        if isinstance(tok, HFTokenizer):
+            # generation_config.json usually sits beside the original weights, not the tokenizer
+            dirs = [tok.path] + ([Path(cfg.model.hf_path).expanduser()] if cfg.model.hf_path else [])
+            for name in TOKENIZER_FILES:
+                src = next((d / name for d in dirs if (d / name).is_file()), None)
+                if src is not None:
+                    shutil.copyfile(src, tmp / name)
+        faults.point("export", 1)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, step
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
