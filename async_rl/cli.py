@@ -53,10 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     e.add_argument("--out", required=True, help="output directory")
-    pl = sub.add_parser("plan", help="compile the learner step ahead of time for a TPU topology (any host): "
+    pl = sub.add_parser("plan", help="compile the learner step ahead of time for a TPU or GPU topology (any host): "
                         "memory per chip, XLA cost model, estimated step time and MFU bound")
     pl.add_argument("--config", help="YAML preset (e.g. configs/plan/llama3-8b.yaml)")
     pl.add_argument("--topology", required=True, help="v5e:2x4, v5p:4x4x2, v6e:4x4, ... (needs the [tpu] extra); "
+                    "h100:8, h200:8, a100-80g:8, b200:8, h100:4x8 (nodes x GPUs; needs the [gpu-plan] extra); "
                     "cpu:N for N forced host devices with nominal figures")
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pl.add_argument("--hbm-gib", type=float, default=None, help="usable HBM per chip instead of the chip's")

@@ -1,7 +1,7 @@
-"""`async-rl plan`: a run's learner step compiled ahead of time for a TPU topology, on any host.
+"""`async-rl plan`: a run's learner step compiled ahead of time for a TPU or GPU topology, on any host.
 
-Owns: topology names -> compile-only devices (libtpu's topology descriptions; `cpu:N` for
-forced host devices), the learner mesh over them, chip figures (usable HBM as XLA enforces
+Owns: topology names -> compile-only devices (libtpu's topology descriptions; GPU names via
+plan_gpu; `cpu:N` for forced host devices), the learner mesh over them, chip figures (usable HBM as XLA enforces
 it, published peak bf16 FLOP/s and HBM bandwidth), compiling the step from abstract arrays
 (no parameter is ever allocated), reading XLA's memory analysis and cost model, the
 estimates made from them, and knobs to try when the step does not fit. Does not own: the
@@ -14,9 +14,10 @@ What the numbers are:
   FLOPs    XLA's cost model counts a loop body once, whatever its trip count. So a layer's
            and a logits chunk's costs are compiled on their own and added for every
            iteration beyond the counted one (see `_loop_cost`): the numbers are XLA's, the
-           multiplication is ours. Pallas kernels (splash) are opaque to it: their FLOPs are added
-           from the causal attention formula, their HBM traffic is not (K/V blocks are
-           re-read once per query block: hundreds of FLOPs per byte).
+           multiplication is ours. Pallas kernels (splash) and cuDNN's fused attention are
+           opaque to it: their FLOPs are added from the causal attention formula, their HBM
+           traffic is not (K/V blocks are re-read once per query block: hundreds of FLOPs per
+           byte). GPU programs are costed through plan_gpu.hlo_cost.
   time     an estimate: max(FLOPs / peak, bytes accessed / HBM bandwidth), i.e. a roofline
            with perfect overlap and no collective cost. MFU bound = model FLOPs (6 x
            parameters x tokens + causal attention, per update pass; no recomputation) /
@@ -48,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import config as C
-from . import sharding
+from . import plan_gpu, sharding
 
 GiB = 1 << 30
 
@@ -70,11 +71,9 @@ CHIPS = {
     "TPU v4": Chip("v4 (per core)", int(15.25 * GiB), 137.5e12, 614e9),
 }
 # Accelerators the benchmarks may run on (matched by substring of device_kind).
-GPUS = {
-    "H200": Chip("H200", 141 * 10 ** 9, 989e12, 4.8e12),
-    "H100": Chip("H100 SXM", 80 * 10 ** 9, 989e12, 3.35e12),
-    "A100": Chip("A100 SXM", 80 * 10 ** 9, 312e12, 2.04e12),
-}
+GPUS = {kind: Chip(g.name, g.hbm_bytes, g.peak_flops, g.hbm_bandwidth) for kind, g in
+        (("H200", plan_gpu.GPUS["h200"]), ("H100", plan_gpu.GPUS["h100"]), ("A100", plan_gpu.GPUS["a100-80g"]),
+         ("B200", plan_gpu.GPUS["b200"]))}
 # Forced host devices have no published figures: nominal ones, so plan logic can be tested.
 NOMINAL_CPU = Chip("cpu (nominal figures)", 16 * GiB, 1e12, 1e11)
 
@@ -87,7 +86,9 @@ def chip_for(device) -> Chip | None:
 
 
 def topology(name: str) -> tuple[list, Chip]:
-    """(devices, chip) for "v5e:2x4"-style names (libtpu's topologies) or "cpu:N"."""
+    """(devices, chip) for "v5e:2x4"-style names (libtpu's topologies), "h100:8" (plan_gpu) or "cpu:N"."""
+    if plan_gpu.is_gpu(name):
+        return plan_gpu.topology(name)
     m = re.fullmatch(r"cpu:(\d+)", name)
     if m:
         n, devs = int(m.group(1)), jax.devices("cpu")
@@ -101,7 +102,8 @@ def topology(name: str) -> tuple[list, Chip]:
     except Exception as e:  # no libtpu, or a name libtpu does not know
         why = str(e).splitlines()[0][:200]
         raise C.ConfigError(f"--topology={name}: cannot describe this TPU topology ({why}); names look like "
-                            "v5e:2x4, v5p:4x4x2, v6e:4x4, and need libtpu: pip install -e '.[tpu]'") from None
+                            "v5e:2x4, v5p:4x4x2, v6e:4x4, and need libtpu: pip install -e '.[tpu]'; GPU "
+                            "names: h100:8, h200:8, a100-80g:8, b200:8, h100:4x8") from None
     devs = list(desc.devices)
     chip = CHIPS.get(devs[0].device_kind)
     if chip is None:
@@ -144,6 +146,7 @@ class Part:
     error: str = ""
     kv_bytes: int = 0  # engine: the KV cache's share on a chip
     resident_bytes: int = 0  # what stays allocated between this program's runs (state)
+    attention: str = ""  # learner: the attention kernel in the compiled step
 
 
 @dataclass
@@ -179,7 +182,8 @@ class Report:
                        learner_opt_bytes_per_chip=lp.opt_bytes, learner_temp_bytes_per_chip=lp.temp_bytes,
                        flops_per_chip=lp.flops, kernel_flops_per_chip=lp.kernel_flops,
                        bytes_accessed_per_chip=lp.bytes_accessed, model_flops_per_chip=lp.model_flops,
-                       learner_compile_s=lp.compile_s, learner_error=lp.error or None)
+                       learner_compile_s=lp.compile_s, learner_error=lp.error or None,
+                       attention=lp.attention or None)
         ep = self.parts.get("engine")
         if ep is not None:
             out.update(engine_bytes_per_chip=ep.total_bytes, engine_params_bytes_per_chip=ep.params_bytes,
@@ -235,6 +239,8 @@ def _oom_bytes(msg: str) -> int | None:
 
 def _cost(compiled) -> tuple[float, float]:
     ca = compiled.cost_analysis()
+    if not ca:  # compiled for a GPU description: no cost analysis of its own
+        return plan_gpu.hlo_cost(compiled)
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
@@ -261,12 +267,25 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
                 batch_bytes=batch_b, temp_bytes=ma.temp_size_in_bytes, other_bytes=other + args - params - opt
                 - batch_b - (_shard_bytes(ref) if ref is not None else 0), total_bytes=total)
     part.model_flops = model_flops(cfg, vocab) / mesh.size
+    part.attention = attention_used(learner, compiled)
     if cost:
         part.flops, part.bytes_accessed = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled))))
-        if learner.attn.impl == "splash":
-            part.kernel_flops = kernel_flops(cfg) / mesh.size
+        if part.attention.startswith(("splash", "cuDNN")):
+            part.kernel_flops = kernel_flops(cfg, backward=7 if learner.attn.impl == "splash" else 5) / mesh.size
             part.flops += part.kernel_flops
     return part
+
+
+def attention_used(learner, compiled) -> str:
+    """The attention the compiled step runs, as the report names it."""
+    impl = learner.attn.impl
+    if impl == "splash":
+        return "splash (Pallas TPU kernel)"
+    if impl == "cudnn" and plan_gpu.uses_cudnn_attention(compiled):
+        return "cuDNN flash attention (fused)"
+    if impl == "cudnn":  # auto on GPU falls back when cuDNN refuses the shape or is not installed
+        return "blockwise XLA attention (cuDNN's fused attention was not available to the compiler)"
+    return {"blockwise": "blockwise XLA attention", "xla": "XLA attention (whole score matrix)"}.get(impl, impl)
 
 
 def _loop_cost(cfg: C.Config, learner, mesh: Mesh, counted: np.ndarray) -> np.ndarray:
@@ -437,15 +456,16 @@ def model_flops(cfg: C.Config, vocab: int) -> float:
     return 3.0 * per_pass * fb + per_pass * fwd
 
 
-def kernel_flops(cfg: C.Config) -> float:
-    """FLOPs inside the splash kernels: per causal matmul H hd T^2 per row and layer; 2 in
-    the forward, 7 in the backward (dq: 3, dk/dv: 4), 2 more when blocks are rematerialised."""
+def kernel_flops(cfg: C.Config, backward: int = 7) -> float:
+    """FLOPs inside fused attention kernels: per causal matmul H hd T^2 per row and layer; 2
+    in the forward, `backward` in the backward (splash 7: dq 3, dk/dv 4; cuDNN 5: scores,
+    dP, dV, dK, dQ), 2 more when blocks are rematerialised."""
     m, lc = cfg.model, cfg.learner
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     T = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
     unit = m.n_heads * m.resolved_head_dim * T * T * rows * m.n_layers
     fb, fwd = _passes(cfg)
-    return unit * (fb * (9 + 2 * (lc.remat != "none")) + 2 * fwd)
+    return unit * (fb * (2 + backward + 2 * (lc.remat != "none")) + 2 * fwd)
 
 
 def suggest(cfg: C.Config, part: Part, chip: Chip, mesh: Mesh) -> list[str]:
@@ -512,7 +532,8 @@ def format_report(rep: Report) -> str:
     lp = rep.parts["learner"]
     lines = [f"plan: {rep.config or 'config'} on {rep.topology}: {rep.devices} x {rep.chip.name}, "
              f"mesh {' x '.join(f'{k} {v}' for k, v in rep.mesh.items())}",
-             f"learner step, per chip (XLA memory analysis; compiled in {lp.compile_s:.1f} s):",
+             f"learner step, per chip (XLA memory analysis; compiled in {lp.compile_s:.1f} s"
+             + (f"; attention: {lp.attention}" if lp.attention else "") + "):",
              f"  parameters       {g(lp.params_bytes)}", f"  optimizer state  {g(lp.opt_bytes)}"]
     if lp.error:
         lines.append(f"  total            {g(lp.total_bytes)}  ({lp.error})" if lp.total_bytes else f"  {lp.error}")
