@@ -280,6 +280,7 @@ class Session:
         self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,
                                                             on_regenerated=lambda g, s: self.logs.regenerated(s, g)),
                                     groups_per_step=parts.local_pps)
+        self.stop_ids = frozenset(getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)))
         self.journal = journal_mod.open_journal(
             cfg, parts.run_dir, step=self.step, process_index=pi, process_count=self.pc,
             stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append,
@@ -363,7 +364,10 @@ class Session:
 
     def train_step(self, groups: list) -> None:
         cfg, ledger = self.cfg, self.ledger
-        rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward) for g in groups for s in g.samples]
+        cap, stops = cfg.rollout.max_new_tokens, self.stop_ids
+        rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward,
+                    len(s.tokens) >= cap and (not s.tokens or s.tokens[-1] not in stops))
+                for g in groups for s in g.samples]
         batch = build_batch(rows, n_rows=self.parts.local_pps * cfg.rollout.samples_per_prompt,
                             prompt_len=cfg.engine.max_prompt_len, max_new=cfg.rollout.max_new_tokens,
                             pad_id=self.parts.tok.pad_id, bucket_min=cfg.learner.bucket_min)
