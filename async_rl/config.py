@@ -327,6 +327,11 @@ class LogConfig:
     plot: bool = True  # reward.png learning curve at the end
     every_steps: int = 1  # console/TensorBoard cadence, steps (metrics.jsonl gets every step)
     rollouts: bool = False  # rollouts.jsonl: every trained sample's tokens, versions and reward
+    wandb: bool = False  # also log to Weights & Biases (extra: async_rl[wandb]); one W&B run per run.dir
+    wandb_project: str = "async_rl"  # W&B project
+    wandb_entity: str = ""  # W&B entity (user or team); "" = the account's default
+    wandb_name: str = ""  # W&B run name; "" = run.dir's folder name
+    wandb_tags: str = ""  # W&B tags, comma-separated
 
     def __post_init__(self):
         _check(self.every_steps > 0, "log.every_steps", self.every_steps, "must be > 0")

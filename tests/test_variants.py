@@ -11,8 +11,8 @@ import pytest
 from async_rl import config as C
 from async_rl import losses
 from async_rl.learner import params_fingerprint
-from tests.helpers import run_cli
-from tests.test_learner import batch_of, make, random_rows
+from helpers import run_cli
+from test_learner import batch_of, make, random_rows
 
 # sha256 prefixes of the trained params under the default loss, taken before the loss
 # variants were added; any change to the default update changes them
@@ -193,3 +193,17 @@ def test_overlong_filter_leaves_truncated_rows_out_and_the_rollout_metrics():
     rows[1] = rows[1]._replace(tokens=(rows[1].tokens % 15) + 1)
     state, _ = learner.step(learner.init_state(learner.init_params()), batch_of(cfg, rows))
     assert params_fingerprint(state["params"]) != got[0]
+
+
+def test_overlong_filter_logs_every_left_out_sample_as_a_drop(tmp_path, xla_cache):
+    # an untrained policy rarely stops within 8 tokens: most samples are cut at the cap
+    r = run_cli(tmp_path, "data.num_records=8", "rollout.prompts_per_step=4", "checkpoint.every_steps=0",
+                "eval.every_steps=0", "learner.overlong=filter", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "learner.overlong=filter" in r.stderr  # said at start (I4)
+    drops = [json.loads(l) for l in (tmp_path / "drops.jsonl").read_text().splitlines()]
+    metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert drops and all(d["reason"] == "overlong" and d["what"] == "samples" for d in drops)
+    for m in metrics:
+        assert m["rollout/overlong_filtered"] == sum(len(d["samples"]) for d in drops if d["step"] == m["step"])
+        assert m["rollout/truncated_frac"] == pytest.approx(m["rollout/overlong_filtered"] / 32)
