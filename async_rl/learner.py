@@ -189,8 +189,8 @@ class Learner:
         lc = self.cfg.learner
         logp, ent = self._logprobs(params, mb)
         mask = mb["mask_BxN"]
-        loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask,
-                                         clip_eps=lc.clip_eps_low or lc.clip_eps, clip_high=lc.clip_eps_high or None,
+        low, high = lc.clip_eps_low or lc.clip_eps, lc.clip_eps_high or lc.clip_eps
+        loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask, clip_eps=low, clip_high=high,
                                          correction=lc.is_correction, is_cap=lc.is_cap, prox_BxN=mb.get("prox_BxN"),
                                          denom=denom, ratio_level=lc.ratio_level, row_w_B=mb.get("row_w_B"))
         stats["approx_kl"] = losses.approx_kl(logp, mb["behav_logp_BxN"], mask, denom)

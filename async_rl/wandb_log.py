@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
+import string
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ class WandbLog:
         import wandb
         self.path = Path(run_dir) / STATE_FILE
         state = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        run_id = state.get("id") or wandb.util.generate_id()
+        run_id = state.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         self.last_step = int(state.get("last_step", 0))
         self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).resolve().name,
                               tags=list(tags), id=run_id, resume="allow", dir=str(run_dir), config=config)

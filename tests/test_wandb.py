@@ -2,6 +2,7 @@
 history row per step. Skipped where the wandb extra is not installed."""
 
 import json
+import struct
 import time
 
 import pytest
@@ -14,18 +15,40 @@ OV = ["data.num_records=24", "rollout.prompts_per_step=2", "checkpoint.every_ste
       "log.wandb=true", "log.wandb_project=async_rl_test", "log.wandb_tags=ci,offline", "eval.every_steps=0"]
 
 
-def _history(run_file):
-    """{step: row} of one offline run file, read with wandb's own record reader."""
+def _records(run_file):
+    """The protobuf records of a .wandb file: wandb's transaction log (LevelDB log framing: a
+    7-byte file header, 32 KiB blocks of records with a 7-byte header each, a record split
+    over blocks as FIRST, MIDDLE..., LAST)."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
-    ds = datastore.DataStore()
-    ds.open_for_scan(str(run_file))
+    data = run_file.read_bytes()
+    block, hdr = 32768, 7
+    ident, magic, version = struct.unpack("<4sHB", data[:hdr])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), run_file
+    pos, parts = hdr, []
+    while pos + hdr <= len(data):
+        if block - pos % block < hdr:  # the rest of a block too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + hdr])
+        if kind == 0 and length == 0:
+            break
+        parts.append(data[pos + hdr:pos + hdr + length])
+        pos += hdr + length
+        if kind in (1, 4):  # FULL or LAST
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(b"".join(parts))
+            parts = []
+            yield rec
+
+
+def _history(run_file):
+    """The history rows of one offline run file (with their "_step")."""
     rows = []
-    while (data := ds.scan_data()) is not None:
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
+    for rec in _records(run_file):
         if rec.WhichOneof("record_type") == "history":
             row = {(it.key or "/".join(it.nested_key)): json.loads(it.value_json) for it in rec.history.item}
+            if rec.history.HasField("step"):
+                row.setdefault("_step", rec.history.step.num)
             rows.append(row)
     return rows
 
