@@ -198,7 +198,7 @@ def test_overlong_filter_leaves_truncated_rows_out_and_the_rollout_metrics():
 def test_overlong_filter_logs_every_left_out_sample_as_a_drop(tmp_path, xla_cache):
     # an untrained policy rarely stops within 8 tokens: most samples are cut at the cap
     r = run_cli(tmp_path, "data.num_records=8", "rollout.prompts_per_step=4", "checkpoint.every_steps=0",
-                "eval.every_steps=0", "learner.overlong=filter", cache=xla_cache)
+                "eval.every_steps=0", "learner.overlong=filter", cache=xla_cache, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "learner.overlong=filter" in r.stderr  # said at start (I4)
     drops = [json.loads(l) for l in (tmp_path / "drops.jsonl").read_text().splitlines()]

@@ -53,12 +53,13 @@ def _history(run_file):
     return rows
 
 
+@pytest.mark.soak  # two training sessions
 def test_a_killed_and_resumed_job_is_one_wandb_run_with_one_row_per_step(tmp_path, xla_cache, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     p = spawn(tmp_path, *OV, cache=xla_cache, delay="step:0.3")
     state = tmp_path / "wandb.json"
-    end = time.monotonic() + 240
+    end = time.monotonic() + 600
     while time.monotonic() < end and p.poll() is None:  # past the step-4 checkpoint, before the next
         if state.is_file() and json.loads(state.read_text())["last_step"] >= 6:
             break
@@ -66,7 +67,7 @@ def test_a_killed_and_resumed_job_is_one_wandb_run_with_one_row_per_step(tmp_pat
     first = json.loads(state.read_text())
     assert kill9(p), read_stderr(p)[-2000:]  # the kill is what ended session 1
     assert first["last_step"] >= 6
-    r = run_cli(tmp_path, *OV, cache=xla_cache)
+    r = run_cli(tmp_path, *OV, cache=xla_cache, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"wandb: run {first['id']} (resumed" in r.stderr
     final = json.loads((tmp_path / "final.json").read_text())
