@@ -27,6 +27,7 @@ class Row(NamedTuple):
     logprobs: np.ndarray  # float32 [n] behaviour logprobs from the engine
     versions: np.ndarray  # int32 [n] policy version that produced each token
     reward: float
+    truncated: bool = False  # stopped at rollout.max_new_tokens without a stop token
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Batch:
     versions_BxN: np.ndarray  # int32 policy version that produced each token (-1 = none)
     rewards_B: np.ndarray  # float32
     row_valid_B: np.ndarray  # bool rows of real groups (a short last step is padded)
+    truncated_B: np.ndarray  # bool completions cut at the length cap (no stop token)
 
     @property
     def widths(self) -> tuple[int, int]:
@@ -87,6 +89,7 @@ def build_batch(rows: Sequence[Row], *, n_rows: int, prompt_len: int, max_new: i
     versions = np.full((B, N), -1, np.int32)
     rewards = np.zeros((B,), np.float32)
     row_valid = np.zeros((B,), bool)
+    truncated = np.zeros((B,), bool)
     for r, row in enumerate(rows):
         L, n = len(row.prompt_tokens), len(row.tokens)
         tokens[r, P - L:P] = row.prompt_tokens
@@ -99,7 +102,8 @@ def build_batch(rows: Sequence[Row], *, n_rows: int, prompt_len: int, max_new: i
         versions[r, :n] = row.versions
         rewards[r] = row.reward
         row_valid[r] = True
-    return Batch(tokens, positions, valid, comp, behav, mask, versions, rewards, row_valid)
+        truncated[r] = row.truncated
+    return Batch(tokens, positions, valid, comp, behav, mask, versions, rewards, row_valid, truncated)
 
 
 def widen(batch: Batch, prompt_width: int, new_width: int, pad_id: int) -> Batch:
@@ -117,4 +121,4 @@ def widen(batch: Batch, prompt_width: int, new_width: int, pad_id: int) -> Batch
     return Batch(cols(batch.tokens_BxT, pad_id, dp, dn), positions, cols(batch.valid_BxT, False, dp, dn),
                  cols(batch.completion_BxN, pad_id, 0, dn), cols(batch.behav_logp_BxN, 0.0, 0, dn),
                  cols(batch.mask_BxN, False, 0, dn), cols(batch.versions_BxN, -1, 0, dn), batch.rewards_B,
-                 batch.row_valid_B)
+                 batch.row_valid_B, batch.truncated_B)

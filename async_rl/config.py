@@ -221,6 +221,14 @@ class LearnerConfig:
     ppo_epochs: int = 1  # passes over a step's rows, each of learner.minibatches optimizer updates
     minibatches: int = 1  # optimizer updates per pass; each takes 1/minibatches of the rows
     bucket_min: int = 0  # length buckets: widths round up to bucket_min * 2^k tokens (cap P, N); 0 = P + N
+    clip_eps_low: float = 0.0  # ratio clip below 1 (ratio >= 1 - low); 0 = clip_eps
+    clip_eps_high: float = 0.0  # ratio clip above 1 (ratio <= 1 + high; DAPO clip-higher); 0 = clip_eps
+    loss_agg: str = "token_mean"  # token_mean (over the update) | seq_mean (of token means) | token_sum_norm (Dr. GRPO)
+    ratio_level: str = "token"  # token | sequence (GSPO: length-normalised sequence ratio, clipped per sequence)
+    advantage: str = "grpo"  # grpo (group mean/std) | mean (Dr. GRPO: mean only) | rloo (leave-one-out mean)
+    overlong: str = "none"  # truncated completions: none | filter (out of the loss, DAPO) | penalty (soft ramp)
+    overlong_buffer: int = 1  # penalty: tokens before max_new_tokens where the ramp starts, tokens
+    overlong_coef: float = 1.0  # penalty: reward subtracted at max_new_tokens, reward units
 
     def __post_init__(self):
         _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
@@ -242,6 +250,17 @@ class LearnerConfig:
         _check(self.ppo_epochs >= 1, "learner.ppo_epochs", self.ppo_epochs, "must be >= 1")
         _check(self.minibatches >= 1, "learner.minibatches", self.minibatches, "must be >= 1")
         _check(self.bucket_min >= 0, "learner.bucket_min", self.bucket_min, "must be >= 0")
+        _check(0 <= self.clip_eps_low < 1, "learner.clip_eps_low", self.clip_eps_low, "must be in [0, 1)")
+        _check(self.clip_eps_high >= 0, "learner.clip_eps_high", self.clip_eps_high, "must be >= 0")
+        _one_of("learner.loss_agg", self.loss_agg, ("token_mean", "seq_mean", "token_sum_norm"))
+        _one_of("learner.ratio_level", self.ratio_level, ("token", "sequence"))
+        _one_of("learner.advantage", self.advantage, ("grpo", "mean", "rloo"))
+        _one_of("learner.overlong", self.overlong, ("none", "filter", "penalty"))
+        _check(self.overlong_buffer >= 1, "learner.overlong_buffer", self.overlong_buffer, "must be >= 1")
+        _check(self.overlong_coef >= 0, "learner.overlong_coef", self.overlong_coef, "must be >= 0")
+        _check(self.ratio_level == "token" or self.is_correction in ("none", "seq_tis"), "learner.ratio_level",
+               self.ratio_level, f"is not defined with learner.is_correction={self.is_correction} (a per-token "
+               "weight on a sequence ratio); use is_correction none or seq_tis")
 
 
 @dataclass(frozen=True)
@@ -308,6 +327,11 @@ class LogConfig:
     plot: bool = True  # reward.png learning curve at the end
     every_steps: int = 1  # console/TensorBoard cadence, steps (metrics.jsonl gets every step)
     rollouts: bool = False  # rollouts.jsonl: every trained sample's tokens, versions and reward
+    wandb: bool = False  # also log to Weights & Biases (extra: async_rl[wandb]); one W&B run per run.dir
+    wandb_project: str = "async_rl"  # W&B project
+    wandb_entity: str = ""  # W&B entity (user or team); "" = the account's default
+    wandb_name: str = ""  # W&B run name; "" = run.dir's folder name
+    wandb_tags: str = ""  # W&B tags, comma-separated
 
     def __post_init__(self):
         _check(self.every_steps > 0, "log.every_steps", self.every_steps, "must be > 0")
@@ -361,6 +385,13 @@ class Config:
         if self.eval.every_steps and not self.eval.path:
             _check(self.data.source == "synthetic", "eval.path", self.eval.path,
                    f"required with eval.every_steps > 0 for data.source={self.data.source}")
+        if lc.advantage == "rloo":
+            _check(self.rollout.samples_per_prompt >= 2, "learner.advantage", lc.advantage,
+                   f"needs rollout.samples_per_prompt >= 2 (got {self.rollout.samples_per_prompt}): "
+                   "a leave-one-out baseline needs another sample")
+        if lc.overlong == "penalty":
+            _check(lc.overlong_buffer <= self.rollout.max_new_tokens, "learner.overlong_buffer", lc.overlong_buffer,
+                   f"must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         width = self.engine.max_prompt_len + self.rollout.max_new_tokens
         if self.model.learned_positions:
             _check(self.model.learned_positions >= width, "model.learned_positions", self.model.learned_positions,

@@ -157,7 +157,7 @@ class Learner:
 
     def _batch_shardings(self):
         shapes = {"tokens_BxT": 2, "positions_BxT": 2, "valid_BxT": 2, "completion_BxN": 2,
-                  "behav_logp_BxN": 2, "mask_BxN": 2, "rewards_B": 1, "row_valid_B": 1}
+                  "behav_logp_BxN": 2, "mask_BxN": 2, "rewards_B": 1, "row_valid_B": 1, "truncated_B": 1}
         return {k: sharding.batch_sharding(self.mesh, nd) for k, nd in shapes.items()}
 
     def _logprobs(self, params, b):
@@ -189,9 +189,11 @@ class Learner:
         lc = self.cfg.learner
         logp, ent = self._logprobs(params, mb)
         mask = mb["mask_BxN"]
-        loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask, clip_eps=lc.clip_eps,
+        low, high = lc.clip_eps_low or lc.clip_eps, lc.clip_eps_high or lc.clip_eps
+        loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask, clip_eps=low, clip_high=high,
                                          correction=lc.is_correction, is_cap=lc.is_cap, prox_BxN=mb.get("prox_BxN"),
-                                         denom=denom)
+                                         denom=denom, ratio_level=lc.ratio_level, row_w_B=mb.get("row_w_B"))
+        stats["approx_kl"] = losses.approx_kl(logp, mb["behav_logp_BxN"], mask, denom)
         if self.use_ref:
             ref_logp, _ = self._logprobs(ref_params, mb)
             kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp), mask, denom)
@@ -205,6 +207,8 @@ class Learner:
     def _grads(self, params, ref_params, rows):
         """(loss, stats, grads) of one update's rows, accumulated over micro-batches."""
         denom = losses.token_count(rows["mask_BxN"])
+        if self.cfg.learner.loss_agg != "token_mean":
+            rows = dict(rows, row_w_B=losses.row_weights(rows["mask_BxN"], self.cfg.learner.loss_agg, self.N))
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         k = self._micro_count(rows["mask_BxN"].shape[0])
         if k == 1:
@@ -243,8 +247,15 @@ class Learner:
     def _train_step(self, state, ref_params, b):
         lc = self.cfg.learner
         mask = b["mask_BxN"] & b["row_valid_B"][:, None]
-        adv = losses.grpo_advantages(b["rewards_B"].reshape(-1, self.G), lc.adv_eps).reshape(-1)
-        rows = dict(b, mask_BxN=mask, adv_B=adv)
+        rewards = b["rewards_B"]
+        lens = mask.sum(axis=1)
+        if lc.overlong == "penalty":
+            rewards = rewards + losses.overlong_penalty(lens, self.N, lc.overlong_buffer, lc.overlong_coef)
+        r_GxS = rewards.reshape(-1, self.G)
+        adv = losses.advantages(r_GxS, lc.advantage, lc.adv_eps).reshape(-1)
+        truncated = b["truncated_B"] & b["row_valid_B"]
+        train_mask = mask & ~truncated[:, None] if lc.overlong == "filter" else mask
+        rows = dict(b, mask_BxN=train_mask, adv_B=adv)
         u, m = updates_per_step(self.cfg), lc.minibatches
         if u == 1:
             state, stats = self._update(state, ref_params, rows)
@@ -262,6 +273,16 @@ class Learner:
         r_mean = (b["rewards_B"] * rv).sum() / jnp.maximum(rv.sum(), 1)
         r_std = jnp.sqrt((((b["rewards_B"] - r_mean) ** 2) * rv).sum() / jnp.maximum(rv.sum(), 1))
         metrics = {"rollout/reward_mean": r_mean, "rollout/reward_std": r_std, "rollout/completion_tokens": mask.sum()}
+        n_rows, g_valid = jnp.maximum(rv.sum(), 1), b["row_valid_B"].reshape(-1, self.G).all(axis=1)
+        zero_adv = g_valid & jnp.all(r_GxS == r_GxS[:, :1], axis=1)  # equal rewards: every estimator gives 0
+        metrics.update({
+            "rollout/response_len_mean": (lens * rv).sum() / n_rows,
+            "rollout/response_len_max": lens.max(),
+            "rollout/truncated_frac": truncated.sum() / n_rows,
+            "rollout/zero_adv_group_frac": zero_adv.sum() / jnp.maximum(g_valid.sum(), 1),
+        })
+        if lc.overlong == "filter":
+            metrics["rollout/overlong_filtered"] = truncated.sum()
         metrics.update({f"learner/{k}": v for k, v in stats.items()})
         return state, metrics
 

@@ -114,6 +114,10 @@ class RunLogs:
         self.drops.append([{**self._row(step, g), "reason": "zero_variance", "what": "group",
                             "rewards": [s.reward for s in g.samples]} for g in groups])
 
+    def overlong(self, step: int, g: Group, samples: list[int]) -> None:
+        """Samples of a trained group left out of the loss (learner.overlong=filter: cut at the length cap)."""
+        self.drops.append([{**self._row(step, g), "reason": "overlong", "what": "samples", "samples": samples}])
+
     def regenerated(self, step: int, g: Group) -> None:
         """A READY group too stale to train: its rollouts are discarded, the prompt is generated again."""
         self.drops.append([{**self._row(step, g), "reason": "stale", "what": "rollouts",

@@ -1,4 +1,4 @@
-"""Run outputs for people: per-step metrics, TensorBoard, progress, the reward curve.
+"""Run outputs for people: per-step metrics, TensorBoard, W&B, progress, the reward curve.
 
 Owns: the per-step metrics sink (metrics.jsonl + TensorBoard + the rich progress bar +
 console lines), the device-side step clock behind `perf/learner_idle_frac`, the host-side
@@ -117,8 +117,9 @@ class MetricsSink:
                "perf/learner_idle_frac", "rollout/staleness_mean")
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
-                 start_step: int, console=print, name: str = "metrics.jsonl"):
+                 start_step: int, console=print, name: str = "metrics.jsonl", wandb=None):
         self.jsonl = JsonlLog(run_dir / name)
+        self.wandb = wandb  # a wandb_log.WandbLog: every step, skipping steps an earlier session logged
         self.every, self.console = every, console
         self.tb = None
         if tensorboard:
@@ -139,6 +140,8 @@ class MetricsSink:
         row = {"step": step, "time": round(time.time(), 3)}
         row.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()})
         self.jsonl.append([row])
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         if self.progress is not None:
             self.progress.update(self.task, completed=step, reward=_fmt(metrics.get("rollout/reward_mean", "-")),
                                  tps=f"{metrics.get('perf/tokens_per_s', 0):.0f}")
@@ -156,6 +159,8 @@ class MetricsSink:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
         self.jsonl.close()
 
 

@@ -210,7 +210,8 @@ def _abstract_batch(learner, rows: int, width: int, new: int) -> dict:
     shapes = {"tokens_BxT": ((rows, width), jnp.int32), "positions_BxT": ((rows, width), jnp.int32),
               "valid_BxT": ((rows, width), jnp.bool_), "completion_BxN": ((rows, new), jnp.int32),
               "behav_logp_BxN": ((rows, new), jnp.float32), "mask_BxN": ((rows, new), jnp.bool_),
-              "rewards_B": ((rows,), jnp.float32), "row_valid_B": ((rows,), jnp.bool_)}
+              "rewards_B": ((rows,), jnp.float32), "row_valid_B": ((rows,), jnp.bool_),
+              "truncated_B": ((rows,), jnp.bool_)}
     sh = learner._batch_shardings()
     return {k: jax.ShapeDtypeStruct(s, dt, sharding=sh[k]) for k, (s, dt) in shapes.items()}
 

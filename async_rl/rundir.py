@@ -27,8 +27,8 @@ from .config import ConfigError
 
 # Files and folders that hold a run's history; a fresh start never truncates them.
 HISTORY_GLOBS = ("lineage*.jsonl", "metrics*.jsonl", "drops*.jsonl", "rollouts*.jsonl")
-HISTORY_DIRS = ("checkpoints", "damaged", "tb", "journal")
-MANIFESTS = ("config.yaml", "data.json", "final.json", "reward.png", ".checkpointed")
+HISTORY_DIRS = ("checkpoints", "damaged", "tb", "journal", "wandb")
+MANIFESTS = ("config.yaml", "data.json", "final.json", "reward.png", ".checkpointed", "wandb.json")
 # Written once a checkpoint of the run is seen committed: from then on its logs are history
 # that a checkpoint covered, and a directory that has lost every step is never started over.
 MARKER = ".checkpointed"

@@ -111,6 +111,9 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     cfg = hf.resolve(cfg)  # model.hf_path: architecture fields and tokenizer from the HF directory
     run_dir = Path(cfg.run.dir)
     rundir.check_usable(run_dir)
+    if cfg.log.wandb:
+        from .wandb_log import check_installed
+        check_installed()
     lock = rundir.RunLock(run_dir, jax.process_index())
     lock.ensure_free(run_dir)
     parts = build(cfg, run_dir, log)
@@ -283,11 +286,13 @@ class Session:
                                 progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
                                 every=cfg.log.every_steps, total_steps=_total_steps(cfg, parts.pd),
                                 start_step=start.step, console=log,
-                                name="metrics.jsonl" if self.primary else f"metrics.p{pi}.jsonl")
+                                name="metrics.jsonl" if self.primary else f"metrics.p{pi}.jsonl",
+                                wandb=self._wandb(cfg, parts.run_dir, log) if cfg.log.wandb and self.primary else None)
         self.sink.jsonl.truncate(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
         self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,
                                                             on_regenerated=lambda g, s: self.logs.regenerated(s, g)),
                                     groups_per_step=parts.local_pps)
+        self.stop_ids = frozenset(getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)))
         self.journal = journal_mod.open_journal(
             cfg, parts.run_dir, step=self.step, process_index=pi, process_count=self.pc,
             stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append,
@@ -374,7 +379,11 @@ class Session:
 
     def train_step(self, groups: list) -> None:
         cfg, ledger = self.cfg, self.ledger
-        rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward) for g in groups for s in g.samples]
+        cap, stops = cfg.rollout.max_new_tokens, self.stop_ids
+        cut = [[len(s.tokens) >= cap and (not s.tokens or s.tokens[-1] not in stops) for s in g.samples]
+               for g in groups]
+        rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward, t)
+                for g, ts in zip(groups, cut) for s, t in zip(g.samples, ts)]
         batch = build_batch(rows, n_rows=self.parts.local_pps * cfg.rollout.samples_per_prompt,
                             prompt_len=cfg.engine.max_prompt_len, max_new=cfg.rollout.max_new_tokens,
                             pad_id=self.parts.tok.pad_id, bucket_min=cfg.learner.bucket_min)
@@ -395,6 +404,10 @@ class Session:
         with ledger.lock:
             ledger.commit(groups)
             self.logs.trained(self.step, groups)
+            if cfg.learner.overlong == "filter":  # I4: samples left out of the loss are logged
+                for g, ts in zip(groups, cut):
+                    if any(ts):
+                        self.logs.overlong(self.step, g, [i for i, t in enumerate(ts) if t])
         self.trained += 1
         faults.point("step", self.step)
         faults.delay("step")
@@ -429,6 +442,13 @@ class Session:
         out["perf/eval_s"] = time.perf_counter() - t0
         self.evaluated = self.step
         return out
+
+    @staticmethod
+    def _wandb(cfg: Config, run_dir, log):
+        from .wandb_log import WandbLog
+        lc = cfg.log
+        return WandbLog(run_dir, C.to_dict(cfg), project=lc.wandb_project, entity=lc.wandb_entity, name=lc.wandb_name,
+                        tags=tuple(t.strip() for t in lc.wandb_tags.split(",") if t.strip()), log=log)
 
     def flush_metrics(self) -> None:
         if self.pending is None:
@@ -574,6 +594,10 @@ def _announce_drops(cfg: Config, pd, log) -> None:
         log(f"note: rollout.filter_zero_variance=true: groups whose {cfg.rollout.samples_per_prompt} rewards are "
             f"all equal are consumed without training (up to all {n} prompt-epochs; each is logged in "
             "drops.jsonl and counted in data/dropped/zero_variance)")
+    if cfg.learner.overlong == "filter":
+        log(f"note: learner.overlong=filter: completions cut at rollout.max_new_tokens={cfg.rollout.max_new_tokens} "
+            "without a stop token are left out of the loss (each group's are logged in drops.jsonl, reason "
+            "overlong, and counted in rollout/overlong_filtered)")
     if cfg.sampler.name != "in_order":
         log(f"note: sampler.name={cfg.sampler.name}: READY groups older than sampler.max_staleness="
             f"{cfg.sampler.max_staleness} are regenerated (their rollouts discarded, logged in drops.jsonl); "
