@@ -52,25 +52,36 @@ ACCEL_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 bench-accel:
 	$(ACCEL_PY) bench/accel.py $(ARGS)
 
-# Ahead-of-time compile of the learner step for a TPU topology, on any host (libtpu compiles;
-# no TPU is needed): memory per chip, XLA cost model, estimated step time and MFU bound.
+# Ahead-of-time compile of the learner step for a TPU or GPU topology, on any host (libtpu, or
+# the CUDA plugin, compiles; no accelerator is needed): memory per chip, XLA cost model,
+# estimated step time and MFU bound. The extra installed follows the topology: v5e:2x4 -> tpu,
+# h100:8 / h100:4x8 (and h200, a100-80g, b200) -> gpu-plan, cpu:N -> none.
 TPU_STAMP   := $(VENV)/.installed-tpu
+GPU_STAMP   := $(VENV)/.installed-gpu-plan
 PLAN_CONFIG ?= configs/plan/qwen2.5-0.5b.yaml
 TOPOLOGY    ?= v5e:2x4
+PLAN_STAMP  := $(if $(filter cpu:%,$(TOPOLOGY)),$(STAMP),$(if $(filter v%,$(TOPOLOGY)),$(TPU_STAMP),$(GPU_STAMP)))
 $(TPU_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,tpu]"
 	@touch $(TPU_STAMP)
+$(GPU_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,gpu-plan]"
+	@touch $(GPU_STAMP)
 
-plan: $(TPU_STAMP)
+plan: $(PLAN_STAMP)
 	$(BIN)/async-rl plan --config $(PLAN_CONFIG) --topology $(TOPOLOGY) $(ARGS)
 
 # CI: one small plan on a real TPU topology (seconds of compile; splash attention, remat,
-# micro-batches and logit chunks all compiled for TPU), and the tests that compile for a TPU
-# (skipped by `make test` where libtpu is not installed).
-plan-ci: $(TPU_STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_plan.py -k tpu
+# micro-batches and logit chunks all compiled for TPU), one on 8 x H100 (cuDNN attention,
+# learner only, memory only: the CUDA compile is slower), and the tests that compile for a TPU
+# or a GPU (skipped by `make test` where libtpu / the CUDA plugin is not installed).
+plan-ci: $(TPU_STAMP) $(GPU_STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_plan.py tests/test_plan_gpu.py -k "tpu or gpu"
 	$(BIN)/async-rl plan --config configs/tiny.yaml --topology v5e:2x2 model.vocab_size=16 learner.remat=block \
 		learner.micro_batch_rows=64 learner.logits_chunk=4
+	$(BIN)/async-rl plan --config configs/tiny.yaml --topology h100:8 model.vocab_size=16 model.dtype=bfloat16 \
+		model.learned_positions=0 learner.remat=block learner.micro_batch_rows=64 learner.logits_chunk=4 \
+		--no-cost --no-engine
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

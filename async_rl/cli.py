@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pl.add_argument("--hbm-gib", type=float, default=None, help="usable HBM per chip instead of the chip's")
     pl.add_argument("--no-cost", action="store_true", help="memory only: skip the two cost-model compiles")
+    pl.add_argument("--no-engine", action="store_true", help="the learner step only: skip the engine's compiles")
     pl.add_argument("overrides", nargs="*", help="group.field=value")
     return p
 
@@ -164,7 +165,8 @@ def _plan(args) -> int:
     from .plan import format_report, plan
     try:
         cfg = hf.resolve(C.load(args.config, args.overrides))
-        rep = plan(cfg, args.topology, config_name=args.config or "", hbm_gib=args.hbm_gib, cost=not args.no_cost)
+        rep = plan(cfg, args.topology, config_name=args.config or "", hbm_gib=args.hbm_gib, cost=not args.no_cost,
+                   engine=not args.no_engine)
     except C.ConfigError as e:
         return _err(str(e), 2)
     print(json.dumps(rep.as_json(), indent=1) if args.json else format_report(rep), flush=True)

@@ -9,7 +9,8 @@ It prints the chip first. It runs with whatever JAX the host has (e.g. a GPU ima
 jax 0.11 with jax-cuda plugins): the repository goes on PYTHONPATH, nothing is installed.
 Training benchmarks (async, checkpoint) need grain and tensorboardX; load needs psutil.
 
-    python bench/accel.py                  # accelerator sizes (0.5B learner MFU vs the chip's peak), < 8 min
+    python bench/accel.py                  # accelerator sizes (0.5B learner MFU vs the chip's peak, and
+                                           # `async-rl plan`'s estimate for that step), < 8 min
     python bench/accel.py --quick          # tiny sizes: proves every part runs (CPU)
     python bench/accel.py --out runs/bench-accel --only learner-0.5b,engine
 """
@@ -31,11 +32,12 @@ RUNS = [
     ("learner-0.5b", "learner.py",
      ["--config", "configs/plan/qwen2.5-0.5b.yaml", "--vocab", "151936", "--dtype", "preset", "--prompts", "8",
       "--samples", "8", "--prompt-len", "512", "--new-tokens", "1536", "--peak", "spec", "--peak-n", "8192",
-      "--steps", "5", "--target", "0.40"],
+      "--steps", "5", "--target", "0.40", "--plan"],
      ["--config", "configs/plan/qwen2.5-0.5b.yaml", "--vocab", "512", "--prompts", "1", "--samples", "4",
       "--prompt-len", "8", "--new-tokens", "8", "--steps", "2", "--peak-n", "512", "model.n_layers=2",
-      "model.d_model=128", "model.d_ff=256", "model.n_heads=2", "model.n_kv_heads=1", "learner.micro_batch_rows=0"],
-     (), 240),
+      "model.d_model=128", "model.d_ff=256", "model.n_heads=2", "model.n_kv_heads=1", "learner.micro_batch_rows=0",
+      "--plan"],
+     (), 300),
     ("learner-small", "learner.py", ["--dtype", "bfloat16", "--peak-n", "8192", "--prompts", "16", "--samples", "8"],
      ["--prompts", "1", "--samples", "2", "--prompt-len", "8", "--new-tokens", "8", "--steps", "2", "--peak-n", "512"],
      (), 150),

@@ -73,6 +73,8 @@ def parse_args():
     ap.add_argument("--peak-n", type=int, default=4096,
                     help="largest side of the square matmuls that set the peak (n/4 and n/2 are tried too)")
     ap.add_argument("--target", type=float, default=0.30, help="MFU target printed with the result")
+    ap.add_argument("--plan", action="store_true",
+                    help="also print `async-rl plan`'s estimated step time for this shape on this chip")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("overrides", nargs="*", help="further config overrides, group.field=value")
     return ap.parse_args()
@@ -281,6 +283,21 @@ def main(args):
     print(f"MFU (median step, vs the {'published' if args.peak == 'spec' else 'measured'} peak) {mfu:.1%}   "
           f"target >= {args.target:.0%}: "
           f"{'met' if mfu >= args.target else 'NOT met'}   (loss {loss:.4f})")
+    if args.plan:
+        print(plan_line(cfg, args.vocab, mesh, chip, med))
+
+
+def plan_line(cfg, vocab: int, mesh, chip, measured_s: float) -> str:
+    """The plan's roofline for the step just timed (same config, mesh and chip figures)."""
+    from async_rl import plan as PL
+    chip = chip or PL.NOMINAL_CPU  # no published figures (a CPU): the code path, not a prediction
+    part = PL.learner_part(cfg, vocab, mesh, chip)
+    est = PL.Report("", "", chip, mesh.devices.size, dict(mesh.shape), parts={"learner": part}).estimates()
+    if not est["est_step_s"]:
+        return f"plan estimate: none ({part.error or 'no cost model'})"
+    return (f"plan estimate for this shape at {chip.name}: {est['est_step_s'] * 1e3:,.0f} ms ({est['bound']}-bound, attention "
+            f"{part.attention}); measured median {measured_s * 1e3:,.0f} ms = {measured_s / est['est_step_s']:.2f}x "
+            f"the estimate")
 
 
 if __name__ == "__main__":
