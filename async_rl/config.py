@@ -192,7 +192,7 @@ class SamplerConfig:
     name: str = "in_order"  # in_order | fifo | windowed
     max_lookahead: int = 1  # in_order: steps generation may run ahead of the learner
     max_staleness: Optional[int] = None  # fifo/windowed: oldest policy version lag trained
-    max_buffered_groups: int = 0  # hard cap on READY + GENERATING groups; 0 = automatic
+    max_buffered_groups: int = 0  # hard cap on PENDING + GENERATING + READY groups; 0 = automatic
 
     def __post_init__(self):
         _one_of("sampler.name", self.name, ("in_order", "fifo", "windowed"))
@@ -386,8 +386,6 @@ STATE_FIELDS = (
     "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
     "model.param_dtype", "learner.grad_clip",
 )
-# Of these only the optimizer's structure changes: run.reset_optimizer=true is a way out.
-OPTIMIZER_FIELDS = ("learner.grad_clip",)
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 
