@@ -74,7 +74,7 @@ def build_batch(rows: Sequence[Row], *, n_rows: int, prompt_len: int, max_new: i
     """Lays `rows` (group-major) out in `n_rows` rows; the rest are padding (row_valid False).
 
     Widths: the longest prompt and completion, each rounded up by `bucket` (`bucket_min` 0:
-    always `prompt_len` + `max_new`, today's engine layout)."""
+    always `prompt_len` + `max_new`, the engine's column layout)."""
     if len(rows) > n_rows:
         raise ValueError(f"build_batch: {len(rows)} rows do not fit a batch of {n_rows}")
     P = bucket(max((len(r.prompt_tokens) for r in rows), default=0), bucket_min, prompt_len)

@@ -36,7 +36,7 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/tiny"  # run directory: config.yaml, logs, lineage, checkpoints
+    dir: str = ""  # run directory: config.yaml, logs, lineage, checkpoints; required to train
     seed: int = 0  # seeds parameter init and the per-token sampling keys
     resume: str = "auto"  # auto | never | must | restart: as auto, but history without a checkpoint moves to previous/
     reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
@@ -44,7 +44,6 @@ class RunConfig:
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
 
     def __post_init__(self):
-        _check(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")
         _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
 
 
@@ -92,16 +91,20 @@ class TokenizerConfig:
                "must contain {prompt}")
 
 
+# Architecture fields without a default: model.hf_path's config.json or the YAML must give them.
+SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hf_path: str = ""  # local Hugging Face checkpoint dir; "" = random init from the fields below
     vocab_size: int = 0  # embedding rows; 0 = the tokenizer's vocabulary size
-    d_model: int = 64  # residual width, units
-    n_layers: int = 2  # transformer blocks
-    n_heads: int = 4  # query heads
-    n_kv_heads: int = 4  # key/value heads (< n_heads = grouped-query attention)
+    d_model: int = 0  # residual width, units; 0 = from model.hf_path (required without it)
+    n_layers: int = 0  # transformer blocks; 0 = from model.hf_path (required without it)
+    n_heads: int = 0  # query heads; 0 = from model.hf_path (required without it)
+    n_kv_heads: int = 0  # key/value heads (< n_heads: grouped-query); 0 = from model.hf_path (required without it)
     head_dim: int = 0  # per-head width; 0 = d_model // n_heads
-    d_ff: int = 256  # SwiGLU hidden width, units
+    d_ff: int = 0  # SwiGLU hidden width, units; 0 = from model.hf_path (required without it)
     rope_theta: float = 10000.0  # RoPE base frequency
     rope_scaling: str = "none"  # RoPE frequency scaling (HF rope_scaling type): none | linear | llama3
     rope_factor: float = 1.0  # linear/llama3: how many times slower the scaled frequencies turn
@@ -118,16 +121,17 @@ class ModelConfig:
 
     def __post_init__(self):
         _one_of("model.attention", self.attention, ("auto", "xla", "blockwise", "cudnn", "splash"))
-        for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
-            _check(getattr(self, k) > 0, f"model.{k}", getattr(self, k), "must be > 0")
+        for k in SHAPE_FIELDS:
+            _check(getattr(self, k) >= 0, f"model.{k}", getattr(self, k), "must be > 0")
         _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0")
-        _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
-               f"must divide model.n_heads ({self.n_heads})")
-        if self.head_dim == 0:
-            _check(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
-                   f"must divide model.d_model ({self.d_model}) when model.head_dim=0")
-        _check(self.head_dim >= 0 and self.resolved_head_dim % 2 == 0, "model.head_dim",
-               self.head_dim, "must be even (RoPE rotates pairs)")
+        if all(getattr(self, k) for k in SHAPE_FIELDS):  # an unset shape is read from hf_path or refused by Config
+            _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+                   f"must divide model.n_heads ({self.n_heads})")
+            if self.head_dim == 0:
+                _check(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
+                       f"must divide model.d_model ({self.d_model}) when model.head_dim=0")
+            _check(self.head_dim >= 0 and self.resolved_head_dim % 2 == 0, "model.head_dim",
+                   self.head_dim, "must be even (RoPE rotates pairs)")
         _check(self.learned_positions >= 0, "model.learned_positions", self.learned_positions, "must be >= 0")
         _one_of("model.rope_scaling", self.rope_scaling, ("none", "linear", "llama3"))
         _check(self.rope_factor > 0, "model.rope_factor", self.rope_factor, "must be > 0")
@@ -147,7 +151,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     max_concurrent_decodes: int = 64  # KV-cache slots decoded together (continuous batching)
-    max_prompt_len: int = 16  # prompt tokens; longer prompts are a data error
+    max_prompt_len: int = 512  # prompt tokens; longer prompts are a data error
     tensor: int = 1  # engine devices per tensor-parallel group (weights and KV heads split over it)
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_k: int = 0  # keep the k most likely tokens; 0 = off
@@ -171,7 +175,7 @@ class EngineConfig:
 class RolloutConfig:
     prompts_per_step: int = 32  # groups (prompts) trained per learner step
     samples_per_prompt: int = 8  # completions per prompt (the GRPO group)
-    max_new_tokens: int = 8  # completion length cap, tokens
+    max_new_tokens: int = 512  # completion length cap, tokens
     reward: str = ""  # reward function name or module:function; "" = the task's own
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
@@ -188,7 +192,7 @@ class SamplerConfig:
     name: str = "in_order"  # in_order | fifo | windowed
     max_lookahead: int = 1  # in_order: steps generation may run ahead of the learner
     max_staleness: Optional[int] = None  # fifo/windowed: oldest policy version lag trained
-    max_buffered_groups: int = 0  # hard cap on READY + GENERATING groups; 0 = automatic
+    max_buffered_groups: int = 0  # hard cap on PENDING + GENERATING + READY groups; 0 = automatic
 
     def __post_init__(self):
         _one_of("sampler.name", self.name, ("in_order", "fifo", "windowed"))
@@ -201,7 +205,7 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    lr: float = 1e-3  # peak learning rate
+    lr: float = 1e-6  # peak learning rate (a pretrained model's scale; a policy trained from scratch wants far more)
     warmup_steps: int = 5  # linear warm-up, steps
     schedule: str = "constant"  # after warm-up: constant | cosine (to lr * end_lr_ratio)
     decay_steps: int = 0  # cosine decay length, steps; 0 = train.max_steps
@@ -355,6 +359,10 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
+        if not self.model.hf_path:
+            for k in SHAPE_FIELDS:
+                _check(getattr(self.model, k) > 0, f"model.{k}", getattr(self.model, k),
+                       "required (no default) unless model.hf_path names a checkpoint")
         s = self.sampler
         if s.name == "in_order":
             _check(s.max_staleness is None, "sampler.max_staleness", s.max_staleness,
@@ -413,8 +421,6 @@ STATE_FIELDS = (
     "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
     "model.param_dtype", "learner.grad_clip",
 )
-# Of these only the optimizer's structure changes: run.reset_optimizer=true is a way out.
-OPTIMIZER_FIELDS = ("learner.grad_clip",)
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as PS
 
 from async_rl import attention, sharding
 from async_rl.config import ConfigError, ModelConfig
+from async_rl.sharding import is_var as _is_var
 from async_rl.model import KVCache, Recent, init_cache, init_recent, layout, write_recent
 
 
@@ -139,10 +140,6 @@ def _devices_of(params) -> set:
     """The devices the committed arrays of a parameter tree lie on."""
     return {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array) and x.committed
             for d in x.sharding.device_set}
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _is_norm_scale(axes) -> bool:

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from .config import Config, ConfigError, ModelConfig
+from .sharding import is_var as _is_var
 
 
 class HFError(ConfigError):
@@ -172,10 +173,6 @@ def hf_tensors(ours: str, shape: tuple) -> list[tuple[str, str, int | None, bool
     if "{i}" not in name:
         return [(name, ours, None, transposed)]
     return [(name.format(i=i), f"{ours}[{i}]", i, transposed) for i in range(shape[0])]
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _flat(tree) -> tuple[list[tuple[str, Any]], Any]:

@@ -12,7 +12,7 @@ loss formulas (losses), files (checkpoint), or the engine (weights leave through
 Updates. With `ppo_epochs` E and `minibatches` M a step makes E x M optimizer updates;
 update u trains the rows r with r % M == u % M. The proximal logprobs pi_prox are those
 of the weights at the step's start (one extra forward pass when E x M > 1; with one
-update they are the current logprobs under stop-gradient, as before). The learning-rate
+update they are the current logprobs under stop-gradient). The learning-rate
 schedule still counts learner steps. Micro-batch j of an update holds its rows r with
 r % K == j (K micro-batches): strided, so every micro-batch spans every device.
 """

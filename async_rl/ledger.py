@@ -128,9 +128,6 @@ class Ledger:
             self.exhausted = True
             self.changed.notify_all()
 
-    def by_state(self, state: State) -> list[Group]:
-        return [g for g in self.groups.values() if g.state == state]
-
     def counts(self) -> dict[str, int]:
         out = {s.name.lower(): 0 for s in State}
         with self.lock:  # the pump thread adds and removes groups

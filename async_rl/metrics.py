@@ -14,7 +14,6 @@ import json
 import math
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -194,7 +193,3 @@ def plot_rewards(metrics_path: Path, out: Path) -> bool:
     fig.savefig(out)
     plt.close(fig)
     return True
-
-
-def stderr_console(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

@@ -133,10 +133,11 @@ def layer_gatherer(mesh: Mesh, dtype):
 
     if mesh.shape["fsdp"] == 1 and jax.numpy.dtype(dtype) == jax.numpy.float32:
         return None
-    return lambda state: jax.tree.map(one, state, is_leaf=_is_var)
+    return lambda state: jax.tree.map(one, state, is_leaf=is_var)
 
 
-def _is_var(x) -> bool:
+def is_var(x) -> bool:
+    """An nnx.Variable box: the leaf of a parameter tree (its metadata names the sharding)."""
     return isinstance(x, nnx.Variable)
 
 
@@ -148,7 +149,7 @@ def param_shardings(params: nnx.State, mesh: Mesh):
     """
     def one(v):
         return v.replace(NamedSharding(mesh, spec_for(tuple(v.shape), getattr(v, "axes", None), mesh)))
-    return jax.tree.map(one, params, is_leaf=_is_var)
+    return jax.tree.map(one, params, is_leaf=is_var)
 
 
 def opt_shardings(tx: optax.GradientTransformation, params, param_sh, mesh: Mesh):

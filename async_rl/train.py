@@ -109,6 +109,8 @@ def train(cfg: Config, log=None) -> RunResult:
 
 def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     cfg = hf.resolve(cfg)  # model.hf_path: architecture fields and tokenizer from the HF directory
+    if not cfg.run.dir:
+        raise ConfigError("run.dir: required (no default): the directory this run writes and resumes from")
     run_dir = Path(cfg.run.dir)
     rundir.check_usable(run_dir)
     if cfg.log.wandb:

@@ -17,6 +17,10 @@ FAST = ["log.progress=false", "log.tensorboard=false", "log.plot=false",
         "data.max_digits=4", "checkpoint.every_steps=0", "eval.every_steps=0"]
 
 
+# the architecture fields have no default: configs that do not start from a preset name them
+MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64"]
+
+
 def cfg(run_dir: Path, *overrides: str) -> C.Config:
     return C.load("configs/tiny.yaml", [f"run.dir={run_dir}", *FAST, *overrides])
 

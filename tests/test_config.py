@@ -5,6 +5,7 @@ import pytest
 
 from async_rl import config as C
 from async_rl.cli import main
+from helpers import MODEL
 
 
 def test_yaml_and_overrides_parse_to_declared_types(tmp_path):
@@ -18,9 +19,9 @@ def test_yaml_and_overrides_parse_to_declared_types(tmp_path):
 
 
 def test_optional_field_accepts_none():
-    cfg = C.load(None, ["sampler.name=fifo", "sampler.max_staleness=2"])
+    cfg = C.load(None, [*MODEL, "sampler.name=fifo", "sampler.max_staleness=2"])
     assert cfg.sampler.max_staleness == 2
-    assert C.load(None, ["sampler.max_staleness=none"]).sampler.max_staleness is None
+    assert C.load(None, [*MODEL, "sampler.max_staleness=none"]).sampler.max_staleness is None
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -75,3 +76,35 @@ def test_help_lists_config_groups():
         for g in C.GROUPS:
             assert g in r.stdout
     assert "learner.lr" in r.stdout and "peak learning rate" in r.stdout
+
+
+def test_own_yaml_for_a_real_model_gets_safe_defaults(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("run:\n  dir: runs/mine\nmodel:\n  hf_path: /models/some-llama\n"
+                 "data:\n  source: jsonl\n  path: train.jsonl\nrollout:\n  reward: math_answer\n")
+    cfg = C.load(str(p))
+    assert cfg.learner.lr <= 1e-5  # a pretrained model's scale, not the tiny task's 1e-3
+    assert cfg.engine.max_prompt_len >= 256 and cfg.rollout.max_new_tokens >= 256
+    tiny = C.load("configs/tiny.yaml")  # the tiny task keeps its own values in its preset
+    assert tiny.learner.lr == pytest.approx(1e-3) and tiny.model.d_model == 64 and tiny.run.dir == "runs/tiny"
+
+
+def test_qwen_preset_is_sized_for_one_accelerator():
+    cfg = C.load("configs/qwen2.5-0.5b.yaml")
+    r = cfg.rollout
+    assert r.prompts_per_step >= 16 and r.samples_per_prompt >= 8
+    assert cfg.engine.max_concurrent_decodes >= 2 * r.prompts_per_step * r.samples_per_prompt  # two steps in flight
+    assert cfg.eval.every_steps > 0 and cfg.eval.path and cfg.eval.num_records > 0
+
+
+@pytest.mark.parametrize("yaml_text, needle", [
+    ("run:\n  dir: {run}\nmodel:\n  d_model: 32\n  n_layers: 1\n  n_heads: 2\n  d_ff: 64\n", "model.n_kv_heads"),
+    ("model:\n  d_model: 32\n  n_layers: 1\n  n_heads: 2\n  n_kv_heads: 2\n  d_ff: 64\n", "run.dir"),
+])
+def test_missing_required_field_is_a_one_line_exit_2(tmp_path, capsys, yaml_text, needle):
+    p = tmp_path / "mine.yaml"
+    p.write_text(yaml_text.format(run=tmp_path / "run"))
+    assert main(["train", "--config", str(p), "log.progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "required" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()

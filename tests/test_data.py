@@ -15,12 +15,13 @@ from async_rl import config
 from async_rl.config import ConfigError
 from async_rl.data import DataError, build_dataset, make_iterator, synthetic_record
 from async_rl.tokenizer import ByteTokenizer
+from helpers import MODEL
 
 TOK = ByteTokenizer()
 
 
 def cfg_of(*overrides):
-    return config.load(None, list(overrides))
+    return config.load(None, [*MODEL, "engine.max_prompt_len=16", *overrides])
 
 
 def drain(it):

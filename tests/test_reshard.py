@@ -15,12 +15,13 @@ from async_rl.data import Partition, build_dataset, make_iterator
 from async_rl.ledger import Ledger
 from async_rl.reshard import deal, new_ledger
 from async_rl.tokenizer import ByteTokenizer
+from helpers import MODEL
 
 TOK = ByteTokenizer()
 
 
 def _cfg(n, epochs, shuffle):
-    return config.load(None, [f"data.num_records={n}", f"data.num_epochs={epochs}", f"data.shuffle={shuffle}",
+    return config.load(None, [*MODEL, f"data.num_records={n}", f"data.num_epochs={epochs}", f"data.shuffle={shuffle}",
                               "data.seed=3"])
 
 

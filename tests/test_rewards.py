@@ -11,6 +11,7 @@ from async_rl import config
 from async_rl.config import ConfigError
 from async_rl.rewards import (extract_answer, get_reward, registered, reward_for_config,
                               task_reward)
+from helpers import MODEL
 
 
 @pytest.mark.parametrize("out, target, want", [
@@ -134,10 +135,10 @@ def test_task_defaults():
     assert set(registered()) >= {"reverse", "addition", "exact_match", "math_answer"}
     with pytest.raises(ConfigError, match="data.task"):
         task_reward("sorting")
-    name, fn = reward_for_config(config.load(None, ["data.task=addition"]))
+    name, fn = reward_for_config(config.load(None, [*MODEL, "data.task=addition"]))
     assert name == "addition" and fn("57", "57") == 1.0
     with pytest.raises(ConfigError, match="rollout.reward is required"):
-        reward_for_config(config.load(None, ["data.source=jsonl", "data.path=x.jsonl"]))
-    name, _ = reward_for_config(config.load(None, ["data.source=jsonl", "data.path=x.jsonl",
+        reward_for_config(config.load(None, [*MODEL, "data.source=jsonl", "data.path=x.jsonl"]))
+    name, _ = reward_for_config(config.load(None, [*MODEL, "data.source=jsonl", "data.path=x.jsonl",
                                                    "rollout.reward=math_answer"]))
     assert name == "math_answer"

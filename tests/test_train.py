@@ -51,7 +51,7 @@ def test_max_steps_ends_cleanly(tmp_path):
 
 @pytest.mark.slow
 def test_short_run_improves_reward(tmp_path):
-    # the default tiny model and task; 60 steps of 16 prompts x 8 samples
+    # the tiny preset's model and task; 70 steps of 32 prompts x 8 samples
     from async_rl import config as C
     c = C.load("configs/tiny.yaml", [f"run.dir={tmp_path}", "log.progress=false", "log.tensorboard=false",
                                      "run.compilation_cache=", "rollout.prompts_per_step=32",
