@@ -121,7 +121,7 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     lock.acquire(run_dir)
     try:
         take(parts, start, log)
-        session = Session(parts, start, log, signals)
+        session = Session(parts, start, log, signals, lock=lock)
         try:
             session.run()
         except BaseException:
@@ -253,9 +253,9 @@ def take(parts: Parts, start: Start, log) -> None:
 class Session:
     """The step loop and what it keeps between steps."""
 
-    def __init__(self, parts: Parts, start: Start, log, signals: sig.Signals):
+    def __init__(self, parts: Parts, start: Start, log, signals: sig.Signals, lock: rundir.RunLock | None = None):
         cfg, pi = parts.cfg, jax.process_index()
-        self.parts, self.cfg, self.log, self.signals = parts, cfg, log, signals
+        self.parts, self.cfg, self.log, self.signals, self.lock = parts, cfg, log, signals, lock
         self.pc, self.primary = jax.process_count(), pi == 0
         self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
         self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
@@ -343,6 +343,8 @@ class Session:
 
     def next_groups(self) -> list | None:
         """This process's groups of the next step; None when the run stops here."""
+        if self.lock is not None:
+            self.lock.check(self.parts.run_dir, log=self.log)  # a deleted or replaced .lock: stop before writing
         flags = sharding.agree([self.local_stop(), self.sampler.finished(self.step), self.signals.received is not None])
         if flags[:, 2].any():
             self.job_signalled = True  # every process saves (or not) alike, whichever was signalled
@@ -440,6 +442,8 @@ class Session:
 
     def save(self) -> None:
         s = self.step
+        if self.lock is not None:
+            self.lock.check(self.parts.run_dir, log=self.log)
         self.flush_metrics()
         pump = self.pump
         if self.cfg.run.determinism:
