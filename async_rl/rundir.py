@@ -107,8 +107,12 @@ def archive_history(path: Path) -> Path:
 def write_atomic(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never a torn write."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise storage_error(path, e) from None
 
 
 def write_if_changed(path: Path, text: str) -> None:

@@ -541,8 +541,11 @@ def report(parts: Parts, s: Session, log) -> RunResult:
             "step": s.step, "fingerprint": fp, "reason": s.reason, "exhausted": exhausted,
             "complete_epochs": complete}))
         log(f"params fingerprint: {fp}")
-        if cfg.log.plot and plot_rewards(parts.run_dir / "metrics.jsonl", parts.run_dir / "reward.png"):
-            log(f"reward curve: {parts.run_dir / 'reward.png'}")
+        try:
+            if cfg.log.plot and plot_rewards(parts.run_dir / "metrics.jsonl", parts.run_dir / "reward.png"):
+                log(f"reward curve: {parts.run_dir / 'reward.png'}")
+        except OSError as e:  # the run is saved; only the picture is missing
+            log(f"warning: {parts.run_dir / 'reward.png'} not written ({e.strerror or e})")
         _report(cfg, res, s.history, time.perf_counter() - s.t_start, log)
     return res
 
