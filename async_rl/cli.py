@@ -137,6 +137,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
     from .data import DataError
+    from .rundir import LockLostError, StorageError, storage_error
     from .sharding import init_distributed
     from .train import train
     init_distributed()
@@ -144,10 +145,15 @@ def _main(argv: list[str] | None) -> int:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
-    except (NonFiniteError, CheckpointWriteError) as e:
+    except (NonFiniteError, CheckpointWriteError, LockLostError, StorageError) as e:
         return _err(str(e), 1)
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
+    except OSError as e:  # a write no writer named (a library's): still one line where it is the disk's fault
+        err = storage_error(e.filename or cfg.run.dir, e)
+        if not isinstance(err, StorageError):
+            raise
+        return _err(str(err), 1)
     return res.exit_code
 
 

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from .ledger import Group
+from .rundir import storage_error
 
 LOGS = ("lineage", "drops", "rollouts")
 
@@ -28,8 +29,13 @@ class JsonlLog:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # unbuffered: a failed write (disk full) is raised by the append that made it and
+            # leaves nothing queued in the process for close() to fail on again
+            self._f = open(self.path, "ab", buffering=0)
+        except OSError as e:
+            raise storage_error(self.path, e, "opening") from None
 
     def truncate(self, nbytes: int) -> int:
         """Cuts the file back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
@@ -42,8 +48,12 @@ class JsonlLog:
 
     def append(self, rows: list[dict]) -> None:
         if rows:
-            self._f.write(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
-            self._f.flush()  # survives SIGKILL of this process (the OS holds the page)
+            data = memoryview(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
+            try:  # written at once: survives SIGKILL of this process (the OS holds the page)
+                while data:
+                    data = data[self._f.write(data):]
+            except OSError as e:
+                raise storage_error(self.path, e) from None
 
     def tell(self) -> int:
         self._f.flush()

@@ -122,8 +122,8 @@ class MetricsSink:
         self.every, self.console = every, console
         self.tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter  # imported lazily: it is slow to import
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
+            from .tbwriter import EventWriter  # written on this thread: a full disk raises, never hangs
+            self.tb = EventWriter(run_dir / "tb", purge_step=start_step + 1)
         self.progress = None
         if progress:
             from rich.console import Console
@@ -146,9 +146,8 @@ class MetricsSink:
                                  tps=f"{metrics.get('perf/tokens_per_s', 0):.0f}")
         if step % self.every == 0:
             if self.tb is not None:
-                for k, v in metrics.items():
-                    if isinstance(v, (int, float)) and math.isfinite(v):
-                        self.tb.add_scalar(k, v, step)
+                self.tb.add_scalars({k: v for k, v in metrics.items()
+                                     if isinstance(v, (int, float)) and math.isfinite(v)}, step)
             if self.progress is None:
                 self.console(f"step {step}: " + " ".join(f"{k.split('/')[-1]}={_fmt(metrics[k])}"
                                                          for k in self.CONSOLE if k in metrics))

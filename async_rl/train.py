@@ -126,7 +126,7 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     lock.acquire(run_dir)
     try:
         take(parts, start, log)
-        session = Session(parts, start, log, signals)
+        session = Session(parts, start, log, signals, lock=lock)
         try:
             session.run()
         except BaseException:
@@ -266,9 +266,9 @@ def take(parts: Parts, start: Start, log) -> None:
 class Session:
     """The step loop and what it keeps between steps."""
 
-    def __init__(self, parts: Parts, start: Start, log, signals: sig.Signals):
+    def __init__(self, parts: Parts, start: Start, log, signals: sig.Signals, lock: rundir.RunLock | None = None):
         cfg, pi = parts.cfg, jax.process_index()
-        self.parts, self.cfg, self.log, self.signals = parts, cfg, log, signals
+        self.parts, self.cfg, self.log, self.signals, self.lock = parts, cfg, log, signals, lock
         self.pc, self.primary = jax.process_count(), pi == 0
         self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
         self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
@@ -358,6 +358,8 @@ class Session:
 
     def next_groups(self) -> list | None:
         """This process's groups of the next step; None when the run stops here."""
+        if self.lock is not None:
+            self.lock.check(self.parts.run_dir, log=self.log)  # a deleted or replaced .lock: stop before writing
         flags = sharding.agree([self.local_stop(), self.sampler.finished(self.step), self.signals.received is not None])
         if flags[:, 2].any():
             self.job_signalled = True  # every process saves (or not) alike, whichever was signalled
@@ -470,6 +472,8 @@ class Session:
 
     def save(self) -> None:
         s = self.step
+        if self.lock is not None:
+            self.lock.check(self.parts.run_dir, log=self.log)
         self.flush_metrics()
         pump = self.pump
         if self.cfg.run.determinism:
@@ -567,8 +571,11 @@ def report(parts: Parts, s: Session, log) -> RunResult:
             "step": s.step, "fingerprint": fp, "reason": s.reason, "exhausted": exhausted,
             "complete_epochs": complete}))
         log(f"params fingerprint: {fp}")
-        if cfg.log.plot and plot_rewards(parts.run_dir / "metrics.jsonl", parts.run_dir / "reward.png"):
-            log(f"reward curve: {parts.run_dir / 'reward.png'}")
+        try:
+            if cfg.log.plot and plot_rewards(parts.run_dir / "metrics.jsonl", parts.run_dir / "reward.png"):
+                log(f"reward curve: {parts.run_dir / 'reward.png'}")
+        except OSError as e:  # the run is saved; only the picture is missing
+            log(f"warning: {parts.run_dir / 'reward.png'} not written ({e.strerror or e})")
         _report(cfg, res, s.history, time.perf_counter() - s.t_start, log)
     return res
 

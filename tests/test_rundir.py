@@ -36,6 +36,34 @@ def test_second_process_on_a_run_dir_in_use_exits_2_and_touches_nothing(tmp_path
     assert audit(tmp_path)["ok"]
 
 
+def test_a_deleted_lock_file_does_not_let_a_second_run_in(tmp_path, xla_cache):
+    """The lock is on the run directory itself, which cannot be unlinked under a live run:
+    deleting `.lock` changes nothing; the holder writes it again at its next step."""
+    first = spawn(tmp_path, *BASE, "data.num_epochs=50", cache=xla_cache, delay="step:0.5")  # lives until stopped
+    try:
+        assert wait_for_step(tmp_path, 2, first, timeout=300)
+        (tmp_path / ".lock").unlink()
+        r = run_cli(tmp_path, *BASE, "data.num_epochs=50", cache=xla_cache)
+        assert r.returncode == 2, r.stderr[-2000:]
+        err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert len(err) == 1 and "in use" in err[0] and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert first.poll() is None
+        wait_until(lambda: f'"pid": {first.pid}' in _read(tmp_path / ".lock"), 60, "the lock file written again")
+        r = run_cli(tmp_path, *BASE, "data.num_epochs=50", cache=xla_cache)
+        assert r.returncode == 2 and f"pid {first.pid}" in r.stderr, r.stderr[-2000:]
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 0, first.stderr.read()[-2000:]
+    assert checkpoint_steps(tmp_path) and audit(tmp_path)["ok"]
+
+
+def _read(p) -> str:
+    try:
+        return p.read_text()
+    except OSError:
+        return ""
+
+
 def test_lock_of_a_killed_process_does_not_block_its_restart(tmp_path, xla_cache):
     p = spawn(tmp_path, *BASE, cache=xla_cache, delay="step:0.2")
     assert wait_for_step(tmp_path, 3, p)

@@ -1,0 +1,77 @@
+"""TensorBoard event files written on the caller's thread.
+
+Owns: one event file per writer in `logdir` (`events.out.tfevents.<time>.<host>`, the
+record format TensorBoard reads: length, masked CRC32C, Event proto, masked CRC32C), the
+purge marker a resumed run writes first (TensorBoard hides the events of steps >= it from
+earlier files), and appending scalars. tensorboardX's own writer queues events for a
+background thread; when that thread dies of a full disk the caller blocks forever on the
+full queue. Here each `add_scalars` is one write on the step loop's thread, so ENOSPC or
+EIO surfaces at once as a StorageError naming the file. Does not own: which metrics are
+logged or when (metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+from .rundir import storage_error
+
+
+def _record(data: bytes) -> bytes:
+    from tensorboardX.crc32c import crc32c
+
+    def masked(b: bytes) -> int:
+        x = crc32c(b) & 0xFFFFFFFF
+        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    header = struct.pack("Q", len(data))
+    return header + struct.pack("I", masked(header)) + data + struct.pack("I", masked(data))
+
+
+class EventWriter:
+    """Scalars into a TensorBoard event file; thread-safe, every call written before it returns."""
+
+    def __init__(self, logdir: Path, purge_step: int | None = None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        self._Event = Event
+        self.dir = Path(logdir)
+        self._lock = threading.Lock()
+        self._fd = -1
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.path = self.dir / f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise storage_error(self.dir, e, "opening a TensorBoard event file") from None
+        events = [Event(wall_time=time.time(), file_version="brain.Event:2")]
+        if purge_step is not None:
+            events.append(Event(step=purge_step, wall_time=time.time(),
+                                session_log=SessionLog(status=SessionLog.START)))
+        self._write(events)
+
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
+        from tensorboardX.summary import scalar
+        now = time.time()
+        self._write([self._Event(wall_time=now, step=step, summary=scalar(k, v)) for k, v in values.items()])
+
+    def _write(self, events: list) -> None:
+        data = memoryview(b"".join(_record(e.SerializeToString()) for e in events))
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                while data:
+                    data = data[os.write(self._fd, data):]
+            except OSError as e:
+                raise storage_error(self.path, e) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
