@@ -90,7 +90,7 @@ def load_run(run_dir: str | Path):
     if not steps:
         raise FileNotFoundError(f"{ckpt_dir}: no committed checkpoint")
     # The run's vocabulary: config.json's for HF models, else the tokenizer's (as train sets it).
-    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic")
+    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic" and cfg.data.task != "word_problem")
     return cfg, tok, cfg.model.vocab_size or tok.vocab_size, steps, ckpt_dir
 
 
