@@ -7,6 +7,8 @@ Skipped, with the reason, where the checkpoint cannot be built (no `gguf`, no wh
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +137,67 @@ def test_chat_prompt_is_the_gguf_template(smollm2):
     assert "SmolLM" in want_text  # the template's own system turn, which built-in ChatML lacks
     assert tok.eos_id == 2 and 2 in tok.stop_ids
     assert tok.decode(ids).count(question) == 1 and "<|im_start|>" not in tok.decode(ids)
+
+
+# --- the GRPO job: SIGKILL and resume, export -------------------------------------------
+
+SHORT = ["log.progress=false", "log.tensorboard=false", "rollout.prompts_per_step=2", "rollout.max_new_tokens=16",
+         "train.max_steps=4", "checkpoint.every_steps=1", "eval.every_steps=2", "eval.num_records=4",
+         "engine.max_concurrent_decodes=8"]
+
+
+def job(run_dir, xla_cache):
+    return [sys.executable, "-m", "async_rl", "train", "--config", "configs/smollm2-arith.yaml",
+            f"run.dir={run_dir}", f"run.compilation_cache={xla_cache}", *SHORT]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(smollm2, tmp_path_factory, xla_cache):
+    """A short smollm2-arith run SIGKILLed once after step 2 and run again to its end."""
+    from helpers import kill9, wait_for_step
+    run = tmp_path_factory.mktemp("arith")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(job(run, xla_cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        reached = wait_for_step(run, 2, proc, timeout=1500)
+    finally:
+        killed = kill9(proc)
+    assert reached and killed, proc.stderr.read()[-3000:]
+    r = subprocess.run(job(run, xla_cache), capture_output=True, text=True, timeout=1800, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run, r.stderr
+
+
+@pytest.mark.soak
+def test_sigkill_and_resume_train_each_prompt_exactly_once(resumed_run):
+    from async_rl.audit import audit
+    from helpers import lineage
+    run, stderr = resumed_run
+    ids = [r["prompt_id"] for r in lineage(run)]
+    assert len(ids) == len(set(ids)) == 4 * 2 and audit(run)["ok"]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [0, 1, 2, 3, 4]  # the step-0 eval once, each step once
+    done = stderr.strip().splitlines()[-1]
+    assert "held-out accuracy" in done and "peak host RSS" in done, done
+    print(f"\n{done}")
+
+
+@pytest.mark.soak
+def test_export_round_trip_gives_identical_logits(resumed_run, tmp_path):
+    from async_rl import cli
+    from async_rl.export import load_run, restore_params
+    run, _ = resumed_run
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(run), "--out", str(out)]) == 0
+    mcfg, exported, graphdef = load(out)
+    cfg, _, vocab, steps, ckpt_dir = load_run(run)
+    trained = restore_params(ckpt_dir / str(steps[-1]) / "state", cfg.model, vocab)
+    tokens = np.asarray([[1, 4093, 30, 216, 2], [28, 29, 30, 31, 32]], np.int32)
+    a, b = logits(graphdef, exported, tokens), logits(graphdef, trained, tokens)
+    assert np.array_equal(a, b)
+    # and training moved the weights away from the pretrained ones
+    _, pretrained, _ = load(real_model.cached_dir())
+    assert not np.array_equal(a, logits(graphdef, pretrained, tokens))
 
 
 # --- parity with transformers (make parity) ----------------------------------------------
