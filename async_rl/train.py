@@ -330,8 +330,9 @@ class Session:
         return self.local_stop() if self.pc == 1 else self.pump.error is not None
 
     def eval_at_start(self) -> None:
-        """`eval.at_start`: the starting weights' scores as a step-0 metrics row, once per run (a
-        resume before the first checkpoint reuses the row it kept)."""
+        """`eval.at_start`: the starting weights' scores as a step-0 metrics row. A resume from a
+        step-0 checkpoint reuses the row its cut of metrics.jsonl kept; a resume from a later
+        step trains on and keeps the row; one with no checkpoint starts over and scores again."""
         if self.evaluator is None or not self.cfg.eval.at_start or self.step != 0:
             return
         kept = [r for r in read_jsonl(self.parts.run_dir / "metrics.jsonl")
