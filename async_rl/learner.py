@@ -85,7 +85,7 @@ class Learner:
         platform = mesh.devices.flat[0].platform
         self.attn = attention.resolve(cfg.model.attention, platform, cfg.model.dtype, mesh, sharding.BATCH_AXES,
                                       "tensor")
-        self._layer_unroll = self.layer_unroll(platform)
+        self._layer_unroll = self.layer_unroll(platform, cfg.model.n_layers)
         self.gather = sharding.layer_gatherer(mesh, cfg.model.dtype)
         self._check_splits(cfg, mesh)
         self.tx = make_optimizer(cfg)
@@ -109,11 +109,15 @@ class Learner:
                                            self._batch_shardings()),
                              out_shardings=(self.state_sh, sharding.replicated(mesh)))
 
+    # deeper models are scanned on CPU too: unrolled, a 30-layer step takes many minutes to compile
+    CPU_UNROLL_MAX_LAYERS = 8
+
     @staticmethod
-    def layer_unroll(platform: str) -> bool | int:
+    def layer_unroll(platform: str, n_layers: int = 0) -> bool | int:
         """Layers per scan iteration. XLA:CPU runs a loop body's matmuls on one core, and CPU
-        models are shallow: unrolled there (True); scanned on accelerators (1)."""
-        return True if platform == "cpu" else 1
+        models are mostly shallow: unrolled there (True) up to CPU_UNROLL_MAX_LAYERS layers;
+        scanned on accelerators and for deeper models (1)."""
+        return True if platform == "cpu" and n_layers <= Learner.CPU_UNROLL_MAX_LAYERS else 1
 
     # ---- state -------------------------------------------------------------------------
 

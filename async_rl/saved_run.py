@@ -68,7 +68,7 @@ def open_run(run_dir: str | Path) -> SavedRun:
         raise C.ConfigError(f"{cfg_path}: not valid YAML ({e})") from None
     if not committed_steps(run / "checkpoints"):
         raise FileNotFoundError(f"{run / 'checkpoints'}: no committed checkpoint")
-    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic")
+    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
     return SavedRun(run, cfg, tok, cfg.model.vocab_size or tok.vocab_size)
 
 

@@ -2,7 +2,9 @@
 
 Owns: the built-in byte tokenizer, a wrapper around a Hugging Face `tokenizer.json`
 (via the `tokenizers` library) with its special ids read from the files that sit
-beside it, the prompt template and chat wrapping, and BOS handling. Does not own:
+beside it, the prompt template and chat wrapping (the model's own jinja chat template from
+`tokenizer_config.json` when it has one, else built-in ChatML / Llama-3 wrapping), and BOS
+handling. Does not own:
 which prompts exist (`data`), padding prompts into batches (`engine`), or stopping
 generation (the engine reads `eos_id` / `stop_ids` from here).
 """
@@ -10,12 +12,15 @@ generation (the engine reads `eos_id` / `stop_ids` from here).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
 from async_rl.config import ConfigError, TokenizerConfig
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -147,8 +152,10 @@ class HFTokenizer:
         gen_eos = files["generation_config.json"].get("eos_token_id")
         stops += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
         self._chat_prefix = self._chat_suffix = ""
+        self._chat_template = None
         if chat:
             self._setup_chat(stops)
+            self._chat_template = self._load_chat_template(files["tokenizer_config.json"])
         self.stop_ids = tuple(dict.fromkeys(int(s) for s in stops))
 
     def _read_json(self, name: str) -> dict:
@@ -201,6 +208,41 @@ class HFTokenizer:
                 f"({', '.join(_CHATML)}) nor the Llama-3 header tokens ({', '.join(_LLAMA3)}); "
                 "set tokenizer.chat=false and write the format into tokenizer.template")
 
+    def _load_chat_template(self, tc: dict):
+        """The compiled jinja chat template of tokenizer_config.json, or None (built-in wrapping)."""
+        src = tc.get("chat_template")
+        if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
+            src = next((t.get("template") for t in src if isinstance(t, dict) and t.get("name") == "default"), None)
+        if not isinstance(src, str) or not src.strip():
+            return None
+        try:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            log.warning("%s: has a chat template but jinja2 is not installed; using built-in "
+                        "wrapping", self.path / "tokenizer_config.json")
+            return None
+
+        def raise_exception(msg):
+            raise TemplateError(msg)
+        # the options transformers renders chat templates with, so prompts match apply_chat_template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            template = env.from_string(src)
+        except TemplateError as e:
+            raise ConfigError(f"{self.path / 'tokenizer_config.json'}: chat_template does not compile ({e})") from None
+        specials = {f"{k}_token": _token_text(tc.get(f"{k}_token")) or "" for k in ("bos", "eos", "pad", "unk")}
+        return lambda text: template.render(messages=[{"role": "user", "content": text}],
+                                            add_generation_prompt=True, **specials)
+
+    def chat_text(self, prompt: str) -> str:
+        """The text a prompt is encoded from: template applied, then the chat format."""
+        text = _render(self.template, prompt)
+        if self._chat_template is not None:
+            return self._chat_template(text)
+        return self._chat_prefix + text + self._chat_suffix
+
     def encode(self, text: str) -> list[int]:
         # Special-token strings in the text are matched, as apply_chat_template does.
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -210,8 +252,7 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def encode_prompt(self, prompt: str) -> np.ndarray:
-        text = self._chat_prefix + _render(self.template, prompt) + self._chat_suffix
-        ids = self.encode(text)
+        ids = self.encode(self.chat_text(prompt))
         if self._add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return np.asarray(ids, dtype=np.int32)

@@ -43,7 +43,7 @@ from .evaluate import make_evaluator
 from .ledger import Ledger
 from .learner import Learner, Row, build_batch, params_fingerprint
 from .lineage import RunLogs
-from .metrics import MetricsSink, Rates, StepClock, host_metrics, plot_rewards
+from .metrics import MetricsSink, Rates, StepClock, host_metrics, plot_rewards, read_jsonl
 from .pump import Pump
 from .sampler import Hooks, Stopped, make_sampler
 from .tokenizer import build_tokenizer
@@ -154,7 +154,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     if (pps * G) % shards:
         raise ConfigError(f"rollout.prompts_per_step={pps}: prompts_per_step x samples_per_prompt "
                           f"({pps * G}) must divide evenly over the {shards} data-parallel shards")
-    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.source == "synthetic")
+    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
     pd = data_mod.build_dataset(cfg, tok, process_index=pi, process_count=pc)
     for line, reason in pd.bad_records[:20]:
         log(f"data: skipped bad record at {line}: {reason}")
@@ -345,7 +345,21 @@ class Session:
         # one process cannot leave a step the others enter: with several, stop only at step boundaries
         return self.local_stop() if self.pc == 1 else self.pump.error is not None
 
+    def eval_at_start(self) -> None:
+        """`eval.at_start`: the starting weights' scores as a step-0 metrics row. A resume from a
+        step-0 checkpoint reuses the row its cut of metrics.jsonl kept; a resume from a later
+        step trains on and keeps the row; one with no checkpoint starts over and scores again."""
+        if self.evaluator is None or not self.cfg.eval.at_start or self.step != 0:
+            return
+        kept = [r for r in read_jsonl(self.parts.run_dir / "metrics.jsonl")
+                if r.get("step") == 0 and r.get("eval/accuracy") is not None]
+        row = {k: v for k, v in kept[-1].items() if k not in ("step", "time")} if kept else self.evaluate()
+        if not kept:
+            self.sink.write(0, row)
+        self.history.append({"step": 0, **row})
+
     def run(self) -> None:
+        self.eval_at_start()
         self.pump.start()
         while self.cfg.train.max_steps == 0 or self.step < self.cfg.train.max_steps:
             groups = self.next_groups()
@@ -620,7 +634,7 @@ def _total_steps(cfg: Config, pd) -> int:
 
 
 def _report(cfg: Config, res: RunResult, history: list[dict], wall: float, log) -> None:
-    if not history:
+    if res.reward_first is None:
         log(f"stopped at step {res.step} ({res.reason}); no step trained in this process")
         return
     target = cfg.train.reward_target
@@ -632,4 +646,11 @@ def _report(cfg: Config, res: RunResult, history: list[dict], wall: float, log) 
     if evals:
         msg += (f"; held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f} "
                 f"(step {evals[-1]['step']})")
-    log(msg)
+    log(msg + f"; peak host RSS {peak_rss_gib():.2f} GiB")
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 30) if sys.platform == "darwin" else peak / (1 << 20)

@@ -66,6 +66,28 @@ def test_synthetic_records_are_deterministic_and_correct(task):
     assert other_seed != synthetic_record(task, 7, 3, 2, 5)
 
 
+def test_word_problems_are_deterministic_and_answered_by_math_answer():
+    from async_rl.rewards import math_answer_reward, task_reward
+    cfg = cfg_of("data.task=word_problem", "data.num_records=300", "data.min_digits=1", "data.max_digits=2",
+                 "engine.max_prompt_len=160")
+    recs = drain(make_iterator(build_dataset(cfg, TOK)))
+    assert [r["prompt"] for r in recs] == [r["prompt"] for r in drain(make_iterator(build_dataset(cfg, TOK)))]
+    ops = Counter()
+    for r in recs:
+        nums = [int(x) for x in r["prompt"].replace("?", " ").replace(".", " ").split() if x.isdigit()]
+        a, b = nums
+        assert 1 <= a <= 99 and 1 <= b <= 99 and r["prompt"].endswith("Answer with a single number.")
+        op = "+" if int(r["answer"]) == a + b else "-" if int(r["answer"]) == a - b else "*"
+        assert r["answer"] == str({"+": a + b, "-": a - b, "*": a * b}[op])
+        ops[op] += 1
+        assert math_answer_reward(f"So the answer is {r['answer']}.", r["answer"]) == 1.0
+        assert math_answer_reward(f"So the answer is {int(r['answer']) + 1}.", r["answer"]) == 0.0
+    assert min(ops.values()) > 30 and task_reward("word_problem") == "math_answer"
+    assert len({r["prompt"] for r in recs}) > 290
+    with pytest.raises(ConfigError, match=r"engine.max_prompt_len=40: data.task=word_problem"):
+        build_dataset(cfg_of("data.task=word_problem", "engine.max_prompt_len=40"), TOK)
+
+
 def test_synthetic_prompt_too_long_is_a_config_error():
     cfg = cfg_of("data.task=addition", "data.max_digits=8", "engine.max_prompt_len=16")
     with pytest.raises(ConfigError, match=r"engine.max_prompt_len=16.*19 tokens"):

@@ -52,6 +52,26 @@ def test_eval_in_training_and_from_the_command_line_agree(tmp_path, xla_cache, c
     assert [x["step"] for x in rows if "eval/accuracy" in x] == [2, 3, 4]
 
 
+@pytest.mark.slow
+def test_eval_at_start_scores_the_starting_weights_once(tmp_path, xla_cache):
+    ov = ["data.num_records=64", "rollout.prompts_per_step=4", "eval.every_steps=2", "eval.num_records=16",
+          "eval.at_start=true", "checkpoint.every_steps=1", "train.max_steps=2"]
+    r = run_cli(tmp_path, *ov, cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = _metrics(tmp_path)
+    assert [x["step"] for x in rows] == [0, 1, 2] and "rollout/reward_mean" not in rows[0]
+    done = r.stderr.strip().splitlines()[-1]
+    assert f"held-out accuracy {rows[0]['eval/accuracy']:.3f} -> {rows[2]['eval/accuracy']:.3f}" in done
+    assert "peak host RSS" in done
+    # a resume keeps the step-0 row and does not score the starting weights again
+    r = run_cli(tmp_path, *ov[:-1], "train.max_steps=3", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = _metrics(tmp_path)
+    assert [x["step"] for x in rows] == [0, 1, 2, 3]
+    with pytest.raises(C.ConfigError, match="eval.at_start.*needs eval.every_steps > 0"):
+        C.load("configs/tiny.yaml", ["eval.every_steps=0", "eval.at_start=true"])
+
+
 def test_eval_from_a_prompt_file_and_usage_errors(tmp_path, xla_cache, capsys):
     data = tmp_path / "heldout.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}{i+1}=", "answer": f"{i+1}{i}"}) + "\n" for i in range(6)))

