@@ -384,6 +384,12 @@ STATE_FIELDS = (
 )
 # Of these only the optimizer's structure changes: run.reset_optimizer=true is a way out.
 OPTIMIZER_FIELDS = ("learner.grad_clip",)
+# These may grow on resume but not shrink: the saved iterator and ledger may hold what a lower
+# value cannot (epochs already drawn; partial completions longer than the new cap).
+NO_LOWER_FIELDS = {
+    "data.num_epochs": "lowering it would drop epochs the saved iterator and ledger may already hold",
+    "rollout.max_new_tokens": "the saved ledger may hold partial completions longer than the new cap",
+}
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 
@@ -533,7 +539,7 @@ class Change:
     key: str  # group.field
     saved: Any
     now: Any
-    kind: str  # free | state | stream
+    kind: str  # free | state | stream | lowered
 
     def __str__(self) -> str:
         return f"{self.key}: saved {self.saved!r}, now {self.now!r}"
@@ -556,6 +562,8 @@ def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
             old = saved[g][name]
             if key in DATA_STREAM_FIELDS:
                 kind = "stream"
+            elif key in NO_LOWER_FIELDS and value < old:
+                kind = "lowered"
             elif key in STATE_FIELDS and _state_value(key, old) != _state_value(key, value):
                 kind = "state"
             else:

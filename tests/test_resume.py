@@ -115,7 +115,8 @@ def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
     assert r.returncode == 0, r.stderr
     before = tree_digest(tmp_path, skip=("e2",))
     refusals = [("data.seed=7",), ("rollout.samples_per_prompt=8",), ("data.num_records=30",),
-                ("learner.grad_clip=0",), ("model.d_model=48",), ("data.num_epochs=1", "data.num_records=24")]
+                ("learner.grad_clip=0",), ("model.d_model=48",), ("data.num_epochs=1", "data.num_records=24"),
+                ("rollout.max_new_tokens=3",)]
     with_epochs = run_cli(tmp_path / "e2", *BASE, "data.num_epochs=2", "train.max_steps=1", cache=xla_cache)
     assert with_epochs.returncode == 0, with_epochs.stderr
     r = run_cli(tmp_path, *BASE, "data.seed=7", cache=xla_cache)  # the command line: exit 2, one line
