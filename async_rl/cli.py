@@ -131,6 +131,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
     from .data import DataError
+    from .pump import RewardError
     from .sharding import init_distributed
     from .train import train
     init_distributed()
@@ -138,7 +139,7 @@ def _main(argv: list[str] | None) -> int:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
-    except (NonFiniteError, CheckpointWriteError) as e:
+    except (NonFiniteError, CheckpointWriteError, RewardError) as e:
         return _err(str(e), 1)
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)

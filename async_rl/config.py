@@ -175,12 +175,14 @@ class RolloutConfig:
     reward: str = ""  # reward function name or module:function; "" = the task's own
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
+    reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
 
     def __post_init__(self):
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
         _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt,
                "must be > 0")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
+        _check(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -301,7 +301,7 @@ class Session:
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,
-                         prefill_rows=cfg.engine.prefill_rows)
+                         prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s)
         self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
                                         devices=list(self.engine.mesh.devices.flat)) if self.primary else None
         if self.evaluator is not None:
