@@ -43,7 +43,7 @@ from .evaluate import make_evaluator
 from .ledger import Ledger
 from .learner import Learner, Row, build_batch, params_fingerprint
 from .lineage import RunLogs
-from .metrics import MetricsSink, Rates, StepClock, host_metrics, plot_rewards
+from .metrics import MetricsSink, Rates, StepClock, cut_tensorboard, host_metrics, plot_rewards
 from .pump import Pump
 from .sampler import Hooks, Stopped, make_sampler
 from .tokenizer import build_tokenizer
@@ -279,6 +279,10 @@ class Session:
         self.checkpointed = rundir.durable(parts.run_dir)
         self.last_saved = start.step if start.restored else -1
         self.ref_params = self.learner.init_params() if self.learner.use_ref else None
+        if self.primary:
+            dropped = cut_tensorboard(parts.run_dir / "tb", start.step)
+            if dropped:
+                log(f"cut {dropped} TensorBoard events logged after step {start.step} (not covered by its checkpoint)")
         self.sink = MetricsSink(parts.run_dir, tensorboard=cfg.log.tensorboard and self.primary,
                                 progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
                                 every=cfg.log.every_steps, total_steps=_total_steps(cfg, parts.pd),

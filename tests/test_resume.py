@@ -203,3 +203,13 @@ def test_an_edited_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_c
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed step 2" in r.stderr
     assert sorted(p for ids in steps_of(tmp_path / "run").values() for p in ids) == list(range(12))
+
+
+@pytest.mark.slow
+def test_rollouts_turned_off_and_on_again_keep_earlier_sessions(tmp_path):
+    ov = [*BASE, "checkpoint.every_steps=2"]
+    train(cfg(tmp_path, *ov, "log.rollouts=true", "train.max_steps=2"))
+    train(cfg(tmp_path, *ov, "log.rollouts=false", "train.max_steps=4"))
+    train(cfg(tmp_path, *ov, "log.rollouts=true", "train.max_steps=6"))
+    assert sorted({r["step"] for r in rollouts(tmp_path)}) == [1, 2, 5, 6]
+    assert audit(tmp_path)["ok"]
