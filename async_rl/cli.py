@@ -143,6 +143,14 @@ def _main(argv: list[str] | None) -> int:
         return _err(str(e), 1)
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
+    except MemoryError:
+        return _err(f"out of host memory (the run was stopped; {cfg.run.dir} keeps its last checkpoint); "
+                    "use a smaller model or fewer engine.max_concurrent_decodes", 1)
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _err(f"out of device memory ({str(e).splitlines()[0][:300]}); the run was stopped, "
+                    f"{cfg.run.dir} keeps its last checkpoint", 1)
     return res.exit_code
 
 

@@ -42,6 +42,7 @@ class RunConfig:
     reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
     determinism: bool = False  # bit-identical resume (in_order sampler only)
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
+    memory_check: bool = True  # refuse at start-up a model whose estimated memory exceeds what is available
 
     def __post_init__(self):
         _check(bool(self.dir), "run.dir", self.dir, "must be a non-empty path")

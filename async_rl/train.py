@@ -43,6 +43,7 @@ from .evaluate import make_evaluator
 from .ledger import Ledger
 from .learner import Learner, Row, build_batch, params_fingerprint
 from .lineage import RunLogs
+from . import memory
 from .metrics import MetricsSink, Rates, StepClock, cut_tensorboard, host_metrics, plot_rewards
 from .pump import Pump
 from .sampler import Hooks, Stopped, make_sampler
@@ -159,6 +160,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     vocab = cfg.model.vocab_size or tok.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
+    memory.check(cfg, vocab)  # before anything large is allocated
     learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size)
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
