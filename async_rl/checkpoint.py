@@ -567,12 +567,12 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
         raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
                             f"{c.key}={c.saved!r}; changing it would change which prompts the saved iterator and "
                             "ledger mean. Revert it or use a new run.dir (nothing was changed)")
-    epochs = saved.get("data", {}).get("num_epochs")
-    if epochs is not None and cfg.data.num_epochs < epochs:
-        raise C.ConfigError(f"data.num_epochs={cfg.data.num_epochs}: the checkpoint in {where.parent} (step {step}) "
-                            f"was written with data.num_epochs={epochs}; lowering it would drop epochs the saved "
-                            "iterator and ledger may already hold. Revert it or use a new run.dir "
-                            "(nothing was changed)")
+    lowered = [c for c in changes if c.kind == "lowered"]
+    if lowered:
+        c = lowered[0]
+        raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
+                            f"{c.key}={c.saved!r}; {C.NO_LOWER_FIELDS[c.key]}. Keep it >= {c.saved!r} or use a "
+                            "new run.dir (nothing was changed)")
     return changes
 
 

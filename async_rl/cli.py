@@ -137,6 +137,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
     from .data import DataError
+    from .pump import RewardError
     from .rundir import LockLostError, StorageError, storage_error
     from .sharding import init_distributed
     from .train import train
@@ -145,15 +146,23 @@ def _main(argv: list[str] | None) -> int:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
-    except (NonFiniteError, CheckpointWriteError, LockLostError, StorageError) as e:
+    except (NonFiniteError, CheckpointWriteError, LockLostError, StorageError, RewardError) as e:
         return _err(str(e), 1)
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
+    except MemoryError:
+        return _err(f"out of host memory (the run was stopped; {cfg.run.dir} keeps its last checkpoint); "
+                    "use a smaller model or fewer engine.max_concurrent_decodes", 1)
     except OSError as e:  # a write no writer named (a library's): still one line where it is the disk's fault
         err = storage_error(e.filename or cfg.run.dir, e)
         if not isinstance(err, StorageError):
             raise
         return _err(str(err), 1)
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _err(f"out of device memory ({str(e).splitlines()[0][:300]}); the run was stopped, "
+                    f"{cfg.run.dir} keeps its last checkpoint", 1)
     return res.exit_code
 
 

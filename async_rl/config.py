@@ -42,6 +42,7 @@ class RunConfig:
     reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
     determinism: bool = False  # bit-identical resume (in_order sampler only)
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
+    memory_check: bool = True  # refuse at start-up a model whose estimated memory exceeds what is available
 
     def __post_init__(self):
         _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
@@ -184,12 +185,14 @@ class RolloutConfig:
     reward: str = ""  # reward function name or module:function; "" = the task's own
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
+    reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
 
     def __post_init__(self):
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
         _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt,
                "must be > 0")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
+        _check(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,12 @@ STATE_FIELDS = (
     "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
     "model.param_dtype", "learner.grad_clip",
 )
+# These may grow on resume but not shrink: the saved iterator and ledger may hold what a lower
+# value cannot (epochs already drawn; partial completions longer than the new cap).
+NO_LOWER_FIELDS = {
+    "data.num_epochs": "lowering it would drop epochs the saved iterator and ledger may already hold",
+    "rollout.max_new_tokens": "the saved ledger may hold partial completions longer than the new cap",
+}
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 
@@ -578,7 +587,7 @@ class Change:
     key: str  # group.field
     saved: Any
     now: Any
-    kind: str  # free | state | stream
+    kind: str  # free | state | stream | lowered
 
     def __str__(self) -> str:
         return f"{self.key}: saved {self.saved!r}, now {self.now!r}"
@@ -601,6 +610,8 @@ def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
             old = saved[g][name]
             if key in DATA_STREAM_FIELDS:
                 kind = "stream"
+            elif key in NO_LOWER_FIELDS and value < old:
+                kind = "lowered"
             elif key in STATE_FIELDS and _state_value(key, old) != _state_value(key, value):
                 kind = "state"
             else:

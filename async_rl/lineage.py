@@ -84,19 +84,32 @@ class RunLogs:
         self.lineage = JsonlLog(run_dir / f"lineage{suffix}.jsonl")
         self.drops = JsonlLog(run_dir / f"drops{suffix}.jsonl")
         self.rollouts = JsonlLog(run_dir / f"rollouts{suffix}.jsonl") if rollouts else None
+        # with rollouts off the file keeps what earlier sessions wrote: its size is still
+        # recorded at each cut, so that turning them on again later cuts nothing of it
+        self._rollouts_off = None if rollouts else run_dir / f"rollouts{suffix}.jsonl"
 
     def _logs(self):
         return [(n, getattr(self, n)) for n in LOGS if getattr(self, n) is not None]
 
     def sizes(self) -> dict[str, int]:
         """Byte sizes for the checkpoint's meta (call at the cut)."""
-        return {f"{n}_bytes": log.tell() for n, log in self._logs()}
+        sizes = {f"{n}_bytes": log.tell() for n, log in self._logs()}
+        if self._rollouts_off is not None:
+            sizes["rollouts_bytes"] = self._rollouts_off.stat().st_size if self._rollouts_off.exists() else 0
+        return sizes
 
     def cut_to(self, meta: dict | None, warn) -> int:
         """Truncates each log to the size `meta` recorded (None: a fresh start, to 0); returns
         the bytes of lineage cut."""
         cut = 0
+        off = self._rollouts_off
+        if off is not None and off.exists() and (not meta or "rollouts_bytes" in meta):
+            want = int(meta["rollouts_bytes"]) if meta else 0
+            if off.stat().st_size > want:
+                os.truncate(off, want)
         for n, log in self._logs():
+            if meta and n == "rollouts" and "rollouts_bytes" not in meta:
+                continue  # a checkpoint from before this size was recorded with rollouts off: keep all
             want = int(meta.get(f"{n}_bytes", 0)) if meta else 0
             if n == "lineage" and log.tell() < want:
                 warn(f"{log.path} has {log.tell()} bytes but the checkpoint recorded {want}; "

@@ -23,6 +23,7 @@ import numpy as np
 from . import faults
 from .decoding import chunk_ends
 from .ledger import Group, Ledger, Sample, State
+from .rewards import as_real
 
 
 @dataclass
@@ -38,7 +39,7 @@ class PumpStats:
 class Pump:
     def __init__(self, *, ledger: Ledger, sampler, engine, iterator, tokenizer, reward_fn,
                  max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
-                 journal=None, prefill_rows: int = 32):
+                 journal=None, prefill_rows: int = 32, reward_timeout_s: float = 60.0):
         self.ledger, self.sampler, self.engine = ledger, sampler, engine
         self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
@@ -71,6 +72,12 @@ class Pump:
         # a state a checkpoint cut may hold: a resumed run rewards it, `_reward_backlog`)
         self._to_reward: queue.SimpleQueue = queue.SimpleQueue()
         self._rewarder = threading.Thread(target=self._reward_loop, name="pump-rewards", daemon=True)
+        # a reward call cannot be interrupted: a watchdog fails the run when one overruns, and
+        # stop() leaves such a call behind on its daemon thread instead of waiting for it
+        self.reward_timeout_s = reward_timeout_s
+        self._in_reward: tuple[float, Group] | None = None  # (start, group) of the call running now
+        self._watchdog = threading.Thread(target=self._watch_rewards, name="pump-reward-watchdog", daemon=True)
+        self._stopped = threading.Event()
 
     # ---- control (learner thread) --------------------------------------------------------
 
@@ -78,6 +85,7 @@ class Pump:
         self._thread.start()
         self._watcher.start()
         self._rewarder.start()
+        self._watchdog.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -87,8 +95,14 @@ class Pump:
         self._thread.join(timeout=60)
         self._watcher.join(timeout=60)
         self._to_reward.put(None)  # after the pump thread: it queues until it exits
-        if self._rewarder.is_alive():
-            self._rewarder.join(timeout=60)
+        end = time.monotonic() + 60
+        while self._rewarder.is_alive() and time.monotonic() < end and self.error is None:
+            self._rewarder.join(timeout=0.1)
+            busy = self._in_reward
+            if busy is not None and time.monotonic() - busy[0] > min(5.0, self.reward_timeout_s):
+                self.log(f"stopping: left the reward call on prompt_id={busy[1].prompt_id} running")
+                break
+        self._stopped.set()
 
     @property
     def alive(self) -> bool:
@@ -402,18 +416,36 @@ class Pump:
             with self.ledger.changed:
                 self.ledger.changed.notify_all()
 
+    def _watch_rewards(self) -> None:
+        """Fails the run (self.error) when one reward call runs past reward_timeout_s."""
+        while not self._stopped.wait(0.25):
+            busy = self._in_reward
+            if busy is None or self.error is not None or time.monotonic() - busy[0] <= self.reward_timeout_s:
+                continue
+            g = busy[1]
+            self.error = RewardError(f"reward function did not return within rollout.reward_timeout_s="
+                                     f"{self.reward_timeout_s:g} s on prompt_id={g.prompt_id} (ordinal {g.ordinal}, "
+                                     f"prompt {g.prompt!r})")
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
+
     def _reward(self, finished: list[tuple[Group, Sample]], version: int | None = None) -> None:
         """Rewards outside the lock (user reward code may be slow), then marks READY groups."""
         scores = []
         for g, s in finished:
             text = self.tok.decode([t for t in s.tokens if t not in self._stops])
+            self._in_reward = (time.monotonic(), g)
             try:
-                r = float(self.reward_fn(text, g.answer))
+                raw = self.reward_fn(text, g.answer)
             except Exception as e:
                 raise RewardError(f"reward function failed on prompt_id={g.prompt_id} "
                                   f"(ordinal {g.ordinal}): {type(e).__name__}: {e}") from e
-            if not np.isfinite(r):
-                raise RewardError(f"reward function returned {r} for prompt_id={g.prompt_id}")
+            finally:
+                self._in_reward = None
+            r = as_real(raw)
+            if r is None or not np.isfinite(r):
+                raise RewardError(f"reward function returned {raw!r} ({type(raw).__name__}) for prompt_id={g.prompt_id} "
+                                  f"(ordinal {g.ordinal}); a reward must be a finite real number")
             scores.append(r)
         journal, t0 = self.journal, time.perf_counter()
         records = [journal.encode(g, s, r) for (g, s), r in zip(finished, scores)] if journal is not None else ()
@@ -444,3 +476,4 @@ class Pump:
 
 class RewardError(RuntimeError):
     pass
+

@@ -11,9 +11,12 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import numbers
 import re
 from fractions import Fraction
 from typing import Callable, Optional
+
+import numpy as np
 
 from async_rl.config import ConfigError
 
@@ -160,14 +163,22 @@ def math_answer_reward(completion: str, answer: str) -> float:
 
 # --- lookup ----------------------------------------------------------------------------
 
+def as_real(r) -> float | None:
+    """A reward value as a float, or None unless it is a real number (bool and str are not)."""
+    if isinstance(r, np.ndarray) and r.shape == () and r.dtype.kind in "iuf":
+        r = r.item()
+    if isinstance(r, (bool, np.bool_)) or not isinstance(r, numbers.Real):
+        return None
+    return float(r)
+
+
 def _checked(name: str, fn: RewardFn) -> RewardFn:
     @functools.wraps(fn)
     def wrapper(completion: str, answer: str) -> float:
-        r = fn(completion, answer)
-        try:
-            r = float(r)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward {name!r} returned {r!r}, expected a float in [0, 1]") from None
+        raw = fn(completion, answer)
+        r = as_real(raw)
+        if r is None:
+            raise ValueError(f"reward {name!r} returned {raw!r} ({type(raw).__name__}), expected a float in [0, 1]")
         # Clamping would hide a broken reward; stop instead.
         if not (math.isfinite(r) and 0.0 <= r <= 1.0):
             raise ValueError(f"reward {name!r} returned {r!r}, expected a float in [0, 1]")

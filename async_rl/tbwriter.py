@@ -23,14 +23,10 @@ from .rundir import storage_error
 
 
 def _record(data: bytes) -> bytes:
-    from tensorboardX.crc32c import crc32c
+    from tensorboardX.record_writer import masked_crc32c
 
-    def masked(b: bytes) -> int:
-        x = crc32c(b) & 0xFFFFFFFF
-        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    header = struct.pack("Q", len(data))
-    return header + struct.pack("I", masked(header)) + data + struct.pack("I", masked(data))
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
 
 
 class EventWriter:
@@ -75,3 +71,39 @@ class EventWriter:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def cut_events(tb_dir: Path, step: int) -> int:
+    """Rewrites each TensorBoard event file of `tb_dir` without the events after `step` (those
+    a killed session logged past its last checkpoint) and any torn last record; returns the
+    events dropped. Each file is replaced atomically, and only when something is dropped."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+
+    dropped = 0
+    for path in sorted(Path(tb_dir).glob("events.out.tfevents.*")) if Path(tb_dir).is_dir() else []:
+        raw, keep, pos, cut = path.read_bytes(), [], 0, False
+        while pos < len(raw):
+            head = raw[pos:pos + 12]
+            n = struct.unpack("<Q", head[:8])[0] if len(head) == 12 else -1
+            data = raw[pos + 12:pos + 12 + n] if n >= 0 else b""
+            tail = raw[pos + 12 + n:pos + 16 + n] if n >= 0 else b""
+            if (n < 0 or struct.unpack("<I", head[8:])[0] != masked_crc32c(head[:8]) or len(tail) != 4
+                    or struct.unpack("<I", tail)[0] != masked_crc32c(data)):
+                cut = True  # a torn record: nothing after it can be trusted
+                break
+            ev = Event.FromString(data)
+            if ev.step <= step:
+                keep.append(raw[pos:pos + 16 + n])
+            else:
+                dropped += 1
+                cut = True
+            pos += 16 + n
+        if cut:
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            with open(tmp, "wb") as f:
+                f.write(b"".join(keep))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    return dropped

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import config as C
 from . import data as data_mod
-from . import faults, hf, reshard, rewards, rundir, sharding
+from . import faults, hf, memory, reshard, rewards, rundir, sharding
 from . import journal as journal_mod
 from . import signals as sig
 from .checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
@@ -46,6 +46,7 @@ from .lineage import RunLogs
 from .metrics import MetricsSink, Rates, StepClock, host_metrics, plot_rewards, read_jsonl
 from .pump import Pump
 from .sampler import Hooks, Stopped, make_sampler
+from .tbwriter import cut_events
 from .tokenizer import build_tokenizer
 
 
@@ -164,6 +165,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     vocab = cfg.model.vocab_size or tok.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
+    memory.check(cfg, vocab)  # before anything large is allocated
     learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size)
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -284,6 +286,10 @@ class Session:
         self.checkpointed = rundir.durable(parts.run_dir)
         self.last_saved = start.step if start.restored else -1
         self.ref_params = self.learner.init_params() if self.learner.use_ref else None
+        if self.primary:
+            dropped = cut_events(parts.run_dir / "tb", start.step)
+            if dropped:
+                log(f"cut {dropped} TensorBoard events logged after step {start.step} (not covered by its checkpoint)")
         self.sink = MetricsSink(parts.run_dir, tensorboard=cfg.log.tensorboard and self.primary,
                                 progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
                                 every=cfg.log.every_steps, total_steps=_total_steps(cfg, parts.pd),
@@ -308,7 +314,7 @@ class Session:
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,
-                         prefill_rows=cfg.engine.prefill_rows)
+                         prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s)
         self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
                                         devices=list(self.engine.mesh.devices.flat)) if self.primary else None
         if self.evaluator is not None:

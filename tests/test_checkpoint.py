@@ -78,7 +78,8 @@ def test_a_healthy_step_restores_with_matching_digests(run):
 
 @pytest.mark.parametrize("change, kind", [("model.d_model=48", "state"), ("learner.grad_clip=0", "state"),
                                           ("data.seed=5", "stream"), ("sampler.name=fifo", "stream"),
-                                          ("data.num_epochs=3", None)])
+                                          ("data.num_epochs=3", None), ("rollout.max_new_tokens=3", "lowered"),
+                                          ("rollout.max_new_tokens=8", None)])
 def test_a_config_that_does_not_fit_is_refused_not_damaged(run, change, kind):
     extra = ["sampler.max_staleness=1"] if "fifo" in change else []
     if kind is None:  # more epochs: free to change

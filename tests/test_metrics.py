@@ -50,3 +50,37 @@ def test_main_thread_ledger_reads_hold_the_lock_while_the_pump_thread_mutates():
     assert not unlocked, unlocked
     led.groups.values()  # the guard itself sees an unlocked read
     assert unlocked == ["values"]
+
+
+def _tb_steps(tb_dir):
+    import struct
+    from tensorboardX.proto.event_pb2 import Event
+    steps = []
+    for f in sorted(tb_dir.glob("events.out.tfevents.*")):
+        raw, pos = f.read_bytes(), 0
+        while pos + 16 <= len(raw):
+            n = struct.unpack("<Q", raw[pos:pos + 8])[0]
+            if pos + 16 + n > len(raw):
+                break
+            ev = Event.FromString(raw[pos + 12:pos + 12 + n])
+            if ev.summary.value:
+                steps.append(ev.step)
+            pos += 16 + n
+    return steps
+
+
+def test_tensorboard_events_are_cut_back_to_the_restored_step(tmp_path):
+    from tensorboardX import SummaryWriter
+    from async_rl.tbwriter import cut_events
+    for i, session in enumerate(((1, 2, 3, 4, 5), (4, 5, 6))):  # a killed session logged 4, 5 past step 3
+        w = SummaryWriter(str(tmp_path / "tb"), filename_suffix=f".s{i}")
+        for s in session:
+            w.add_scalar("x", float(s), s)
+        w.close()
+    first = sorted((tmp_path / "tb").glob("events.*"))[0]
+    first.write_bytes(first.read_bytes() + b"\x05\x00")  # and a torn record at the end
+    assert sorted(_tb_steps(tmp_path / "tb")) == [1, 2, 3, 4, 4, 5, 5, 6]
+    assert cut_events(tmp_path / "tb", 3) == 5
+    assert sorted(_tb_steps(tmp_path / "tb")) == [1, 2, 3]
+    assert cut_events(tmp_path / "tb", 3) == 0  # nothing more to cut: files left alone
+    assert not list((tmp_path / "tb").glob(".*tmp*"))

@@ -115,7 +115,8 @@ def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
     assert r.returncode == 0, r.stderr
     before = tree_digest(tmp_path, skip=("e2",))
     refusals = [("data.seed=7",), ("rollout.samples_per_prompt=8",), ("data.num_records=30",),
-                ("learner.grad_clip=0",), ("model.d_model=48",), ("data.num_epochs=1", "data.num_records=24")]
+                ("learner.grad_clip=0",), ("model.d_model=48",), ("data.num_epochs=1", "data.num_records=24"),
+                ("rollout.max_new_tokens=3",)]
     with_epochs = run_cli(tmp_path / "e2", *BASE, "data.num_epochs=2", "train.max_steps=1", cache=xla_cache)
     assert with_epochs.returncode == 0, with_epochs.stderr
     r = run_cli(tmp_path, *BASE, "data.seed=7", cache=xla_cache)  # the command line: exit 2, one line
@@ -202,3 +203,13 @@ def test_an_edited_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_c
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed step 2" in r.stderr
     assert sorted(p for ids in steps_of(tmp_path / "run").values() for p in ids) == list(range(12))
+
+
+@pytest.mark.slow
+def test_rollouts_turned_off_and_on_again_keep_earlier_sessions(tmp_path):
+    ov = [*BASE, "checkpoint.every_steps=2"]
+    train(cfg(tmp_path, *ov, "log.rollouts=true", "train.max_steps=2"))
+    train(cfg(tmp_path, *ov, "log.rollouts=false", "train.max_steps=4"))
+    train(cfg(tmp_path, *ov, "log.rollouts=true", "train.max_steps=6"))
+    assert sorted({r["step"] for r in rollouts(tmp_path)}) == [1, 2, 5, 6]
+    assert audit(tmp_path)["ok"]

@@ -142,3 +142,61 @@ def test_task_defaults():
     name, _ = reward_for_config(config.load(None, [*MODEL, "data.source=jsonl", "data.path=x.jsonl",
                                                    "rollout.reward=math_answer"]))
     assert name == "math_answer"
+
+
+# --- reward calls inside a run: values and time limit --------------------------------------
+
+_SLOW_REWARD = '''
+import pathlib, time
+def hang(completion, answer):
+    pathlib.Path(__file__).with_name("entered").touch()
+    time.sleep(3600)
+    return 0.0
+'''
+
+
+def _reward_module(tmp_path, monkeypatch):
+    import os
+    (tmp_path / "slow_reward.py").write_text(_SLOW_REWARD)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def test_a_hanging_reward_fails_the_run_naming_the_prompt(tmp_path, monkeypatch, xla_cache):
+    import time
+    from helpers import run_cli
+    _reward_module(tmp_path, monkeypatch)
+    t0 = time.monotonic()
+    r = run_cli(tmp_path / "run", "rollout.reward=slow_reward:hang", "rollout.reward_timeout_s=2",
+                "data.num_records=8", "rollout.prompts_per_step=4", cache=xla_cache, timeout=600)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "rollout.reward_timeout_s=2 s on prompt_id=" in last and "prompt '" in last, last
+    assert (tmp_path / "entered").exists() and time.monotonic() - t0 < 600
+
+
+def test_sigterm_during_a_hanging_reward_stops_the_run(tmp_path, monkeypatch, xla_cache):
+    import signal
+    from helpers import finish_job, spawn, wait_until
+    _reward_module(tmp_path, monkeypatch)
+    p = spawn(tmp_path / "run", "rollout.reward=slow_reward:hang", "rollout.reward_timeout_s=600",
+              "data.num_records=8", "rollout.prompts_per_step=4", cache=xla_cache)
+    wait_until(lambda: (tmp_path / "entered").exists() or p.poll() is not None, 600, "the reward call")
+    assert p.poll() is None
+    p.send_signal(signal.SIGTERM)
+    assert finish_job([p], timeout=60) == [0]
+
+
+@pytest.mark.parametrize("value", ["'0.5'", "True", "None", "float('nan')"])
+def test_a_reward_that_is_not_a_real_number_stops_the_run_naming_it(tmp_path, value):
+    from helpers import cfg
+    from async_rl.pump import RewardError
+    from async_rl.rewards import _REGISTRY
+    from async_rl.train import train
+    _REGISTRY["_test_bad_value"] = lambda completion, answer, v=eval(value): v
+    try:
+        with pytest.raises(RewardError) as e:
+            train(cfg(tmp_path, "rollout.reward=_test_bad_value", "data.num_records=8", "rollout.prompts_per_step=4"))
+    finally:
+        del _REGISTRY["_test_bad_value"]
+    assert "prompt_id=" in str(e.value) and "returned" in str(e.value), str(e.value)
+    assert (repr(eval(value)) in str(e.value)), str(e.value)

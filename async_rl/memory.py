@@ -1,0 +1,79 @@
+"""A start-up memory estimate: refuse plainly a job that cannot fit, before allocating it.
+
+Owns: the bytes a run needs at least (parameters in their storage dtype, Adam's two fp32
+moments, the engine's copy of the weights in the compute dtype, a frozen reference copy
+when the KL penalty is on, the KV cache), and the memory the job can use (the device's
+limit where the backend reports one, else the host's available memory). Does not own:
+activation memory or compiled-program sizes (`plan` compiles a step ahead of time for that).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import Config, ConfigError
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def param_count(cfg: Config, vocab: int) -> int:
+    m = cfg.model
+    hd = m.resolved_head_dim
+    attn = m.d_model * hd * (m.n_heads * 2 + m.n_kv_heads * 2)
+    if m.qkv_bias:
+        attn += hd * (m.n_heads + 2 * m.n_kv_heads)
+    layer = attn + 3 * m.d_model * m.d_ff + 2 * m.d_model
+    emb = vocab * m.d_model * (1 if m.tie_embeddings else 2)
+    return m.n_layers * layer + emb + m.d_model + m.learned_positions * m.d_model
+
+
+def estimate(cfg: Config, vocab: int) -> dict[str, int]:
+    """The bytes each part of the run needs at least."""
+    m, n = cfg.model, param_count(cfg, vocab)
+    p_bytes, c_bytes = _BYTES.get(m.param_dtype, 4), _BYTES.get(m.dtype, 4)
+    width = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
+    kv = 2 * m.n_layers * cfg.engine.max_concurrent_decodes * width * m.n_kv_heads * m.resolved_head_dim * c_bytes
+    out = {"parameters": n * p_bytes, "optimizer": 2 * n * 4, "engine weights": n * c_bytes, "KV cache": kv}
+    if cfg.learner.kl_coef > 0:
+        out["reference model"] = n * p_bytes
+    return out
+
+
+def available() -> tuple[int, str] | None:
+    """(bytes, where) the job can use: the first device's limit if it reports one, else the
+    host's available memory; None if neither is known."""
+    try:
+        import jax
+        stats = jax.devices()[0].memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"]) * jax.local_device_count(), f"{jax.local_device_count()} device(s)"
+    except Exception:  # a backend without memory statistics
+        pass
+    try:  # MemAvailable counts the page cache the kernel would give back; free pages do not
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "available host memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+    except (ValueError, OSError):
+        return None
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f} GiB"
+
+
+def check(cfg: Config, vocab: int) -> None:
+    """Raises ConfigError when the estimate exceeds what the job can use (run.memory_check=false skips)."""
+    if not cfg.run.memory_check:
+        return
+    need, have = estimate(cfg, vocab), available()
+    total = sum(need.values())
+    if have is None or total <= have[0]:
+        return
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in need.items())
+    raise ConfigError(f"model.d_model={cfg.model.d_model}, model.n_layers={cfg.model.n_layers}: the run needs at least "
+                      f"{_gib(total)} ({parts}), more than the {_gib(have[0])} of {have[1]}; use a smaller model or "
+                      "fewer engine.max_concurrent_decodes, more devices, or run.memory_check=false to try anyway")
