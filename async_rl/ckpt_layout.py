@@ -2,10 +2,10 @@
 
 Owns: listing committed steps as Orbax's CheckpointManager lists them (its standard step-name
 format; a step is committed once Orbax renames its temporary directory to the step's name),
-the items of a step, the meta document's file, each process's file-name prefix (the ledger item's
-`<prefix>.json`/`.bin` are checkpoint's own format), and the data item's per-process file (Grain's
-handler writes one JSON per process). Does not
-own: writing, reading or verifying those files (checkpoint, saved_run).
+the items of a step, the meta document's file, each process's file-name prefix (the ledger
+item's `<prefix>.json`/`.bin` are checkpoint's own format), and the data item's per-process
+file (Grain's handler writes one JSON per process). Does not own: writing, reading or
+verifying those files (checkpoint, saved_run).
 """
 
 from __future__ import annotations

@@ -76,6 +76,25 @@ def _warn(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _keep_off_libtpu(cmd: str | None) -> None:
+    """libtpu (the `[tpu]` extra) takes a host-wide lockfile when it loads, which would make
+    `plan` fail while any other command runs: off a TPU host only `plan` loads it, and `plan`
+    loads it without the lock (it compiles, it runs nothing on a chip)."""
+    import glob
+    import importlib.util
+    import os
+    if importlib.util.find_spec("libtpu") is None:
+        return
+    if cmd == "plan":
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        return
+    if "JAX_PLATFORMS" in os.environ or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return  # the user's choice, or a TPU host
+    gpu = os.path.exists("/dev/nvidiactl") and any(
+        importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    os.environ["JAX_PLATFORMS"] = "cuda,cpu" if gpu else "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     # before anything heavy is imported: a SIGTERM during imports or start-up is kept, not fatal
     handlers = signals.install()
@@ -96,6 +115,7 @@ def _main(argv: list[str] | None) -> int:
     if args.cmd is None:
         _parser().print_help()
         return 2
+    _keep_off_libtpu(args.cmd)
     if args.cmd == "audit":
         from .audit import AuditError, audit, format_report
         try:

@@ -154,7 +154,8 @@ def read_verified(run: SavedRun, read: Callable[[Checkpointer, int], Any], step:
             if (s not in now or now[-1] > s) and time.monotonic() < deadline:
                 continue  # deleted or overtaken by a live run while read: the newest step again
             if s not in now:
-                raise
+                raise FileNotFoundError(f"{d}: checkpoint step {s} was deleted while it was read, and the run's "
+                                        f"newer steps kept going the same way for {RETRY_S:.0f} s") from None
             damaged[s] = why
             warn(f"warning: checkpoint step {s} in {d} is damaged ({why}); using an older step (nothing was changed)")
 

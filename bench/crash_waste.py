@@ -16,8 +16,10 @@ in unfinished samples in its engine slots ("in flight").
 
 Counts: tokens generated = the sum over sessions (a killed one from that line, the last one
 from `rollout/generated_tokens`); tokens trained = the final checkpoint's `trained_tokens`;
-tokens generated twice = generated - trained (in_order trains every generated token of an
-uninterrupted run, so that row reads 0: a check of the accounting). Wall = the sum of every
+the ledger's count of tokens generated twice = generated - trained (in_order trains every
+generated token of an uninterrupted run, so that row reads 0: a check of the accounting);
+tokens generated twice = the ledger's count + the tokens in the engine's slots at each kill
+(unfinished samples: no journal keeps them, the next session generates them again). Wall = the sum of every
 session's wall time, restarts included (a short warm-up run fills the compilation cache
 first, so no run pays compilation). Journal cost = `perf/journal_write_frac` of the
 uninterrupted run: time the pump thread spends encoding and queueing records over its time
@@ -30,7 +32,6 @@ in engine calls (the write and fdatasync run on the journal's own threads).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -42,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from async_rl import config as C  # noqa: E402
+from async_rl.ckpt_layout import committed_steps  # noqa: E402
 
 FAULT = re.compile(r"fault: SIGKILL at generate:(\d+) generated_tokens=(\d+) in_flight_tokens=(\d+)")
 
@@ -108,10 +110,12 @@ class Job:
             out["resumes"] = [l for _, l in r.lines if l.startswith(("resumed", "journal:"))]
             print(f"  {name}: finished at step {rows[-1]['step']}, {r.wall_s:.1f}s", flush=True)
             break
-        steps = sorted(p for p in (d / "checkpoints").iterdir() if p.name.isdigit())
-        header = json.loads((steps[-1] / "ledger" / "process_0-of-1.json").read_text())
-        out["trained"] = int(header["trained_tokens"])
-        out["twice"] = out["generated"] - out["trained"]
+        from async_rl.checkpoint import Checkpointer
+        _, shards = Checkpointer(d / "checkpoints", keep=1, async_save=False).read_ledgers(
+            committed_steps(d / "checkpoints")[-1])
+        out["trained"] = sum(int(sh.header["trained_tokens"]) for sh in shards)
+        out["ledger_twice"] = out["generated"] - out["trained"]
+        out["twice"] = out["ledger_twice"] + out["in_flight"]
         audit = common.run_child([sys.executable, "-m", "async_rl", "audit", str(d)], self.env, timeout=300)
         out["audit"] = "ok" if audit.rc == 0 else f"FAIL ({audit.rc})"
         return out
@@ -143,13 +147,15 @@ def main() -> None:
         extra_s = f"{(r['wall'] - base['wall']) / k:.1f}" if r["kills"] else "-"
         rows.append([r["name"], str(r["kills"]), f"{r['wall']:.1f}", f"{r['wall'] / base['wall']:.2f}x", extra_s,
                      f"{sum(r['start']) / max(len(r['start']), 1):.1f}",
-                     str(r["generated"]), str(r["trained"]), str(r["twice"]),
+                     str(r["generated"]), str(r["trained"]), str(r["twice"]), str(r["ledger_twice"]),
+                     str(r["in_flight"]),
                      f"{r['twice'] / k:.0f}" if r["kills"] else "-",
                      f"{r['in_flight'] / k:.0f}" if r["kills"] else "-",
                      str(r["last"].get("rollout/journal_samples", "-")), r["audit"]])
     common.print_table(["run", "kills", "wall s", "vs uninterrupted", "s per kill", "to 1st step s",
                         "tokens generated", "tokens trained",
-                        "generated twice", "twice per kill", "in flight per kill", "journal samples (last)",
+                        "generated twice", "of which ledger's count", "of which in slots at kills",
+                        "twice per kill", "in flight per kill", "journal samples (last)",
                         "audit"], rows)
     frac = base["last"].get("perf/journal_write_frac")
     print(f"journal writes: {100 * frac:.2f}% of generation time (uninterrupted run, journal.fsync_every_s=1.0: "

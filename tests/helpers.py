@@ -90,8 +90,8 @@ def kill9(proc: subprocess.Popen) -> bool:
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    d = Path(run_dir) / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+    from async_rl.ckpt_layout import committed_steps
+    return committed_steps(Path(run_dir) / "checkpoints")
 
 
 def read_ledger(run_dir: Path, step: int):

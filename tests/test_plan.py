@@ -139,3 +139,37 @@ def test_tpu_multi_step_decode_writes_the_cache_once_per_call():
     kv = 2 * 2 * 16 * 2 * 1024 * 64 * 2  # k and v, 2 layers, 16 slots per chip, bf16
     assert per_step[1] > 4 * kv  # the per-token relayout this guards against
     assert per_step[8] < per_step[1] / 2.5, per_step
+
+
+@pytest.mark.soak  # two processes and a TPU compile: `make plan-ci` runs it (-k tpu), `make test` does not
+def test_tpu_plan_while_a_train_runs(tmp_path):
+    """libtpu's host-wide lockfile: a CPU train does not load libtpu, and `plan` loads it
+    without the lock, so a plan succeeds while a train runs in the same environment."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from helpers import cli_args, kill9
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("needs libtpu (the [tpu] extra)")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        train = subprocess.Popen(cli_args(tmp_path / "run", "data.num_records=4000", "rollout.prompts_per_step=4"),
+                                 stdout=f, stderr=f, env=dict(env, ASYNC_RL_DELAY="step:0.2", PYTHONUNBUFFERED="1"))
+    try:
+        # jax has chosen its backends once the learner compiles: from then on libtpu would hold the lock
+        end = time.monotonic() + 300
+        while "learner: compiling" not in log.read_text() and train.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert "learner: compiling" in log.read_text() and train.poll() is None, log.read_text()[-2000:]
+        plan = subprocess.run([sys.executable, "-m", "async_rl", "plan", "--config", "configs/tiny.yaml",
+                               "--topology", "v5e:2x2", "--no-cost", "model.vocab_size=32"],
+                              capture_output=True, text=True, timeout=500, env=env)
+        assert train.poll() is None, "the train ended before the plan did"
+    finally:
+        assert kill9(train)
+    assert plan.returncode in (0, 1), plan.stderr[-2000:]  # 1: does not fit; 2 would be the lock's error
+    assert "lockfile" not in plan.stderr and "fits" in plan.stdout, plan.stdout[-2000:]
