@@ -89,7 +89,7 @@ plan: $(PLAN_STAMP)
 # learner only, memory only: the CUDA compile is slower), and the tests that compile for a TPU
 # or a GPU (skipped by `make test` where libtpu / the CUDA plugin is not installed).
 plan-ci: $(TPU_STAMP) $(GPU_STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_plan.py tests/test_plan_gpu.py -k "tpu or gpu"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not soak" tests/test_plan.py tests/test_plan_gpu.py -k "tpu or gpu"
 	$(BIN)/async-rl plan --config configs/tiny.yaml --topology v5e:2x2 model.vocab_size=16 learner.remat=block \
 		learner.micro_batch_rows=64 learner.logits_chunk=4
 	$(BIN)/async-rl plan --config configs/tiny.yaml --topology h100:8 model.vocab_size=16 model.dtype=bfloat16 \

@@ -404,10 +404,6 @@ class Config:
         if self.eval.every_steps and not self.eval.path:
             _check(self.data.source == "synthetic", "eval.path", self.eval.path,
                    f"required with eval.every_steps > 0 for data.source={self.data.source}")
-        if lc.advantage == "rloo":
-            _check(self.rollout.samples_per_prompt >= 2, "learner.advantage", lc.advantage,
-                   f"needs rollout.samples_per_prompt >= 2 (got {self.rollout.samples_per_prompt}): "
-                   "a leave-one-out baseline needs another sample")
         if lc.overlong == "penalty":
             _check(lc.overlong_buffer <= self.rollout.max_new_tokens, "learner.overlong_buffer", lc.overlong_buffer,
                    f"must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})")

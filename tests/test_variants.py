@@ -146,7 +146,7 @@ def test_approx_kl_to_the_behaviour_policy():
 @pytest.mark.parametrize("overrides, needle", [
     (["learner.ratio_level=sequence"], "learner.ratio_level"),  # with the default tis
     (["learner.ratio_level=sequence", "learner.is_correction=decoupled"], "learner.ratio_level"),
-    (["learner.advantage=rloo", "rollout.samples_per_prompt=1"], "learner.advantage"),
+    (["learner.advantage=rloo", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),  # every estimator
     (["learner.overlong=penalty", "learner.overlong_buffer=9"], "learner.overlong_buffer"),
     (["learner.loss_agg=sum"], "learner.loss_agg"),
 ])
