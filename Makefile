@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test soak parity bench bench-accel plan plan-ci real-model clean
+.PHONY: venv train test lint soak parity bench bench-accel plan plan-ci real-model clean
 
 venv: $(STAMP)
 
@@ -21,9 +21,13 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	$(BIN)/async-rl train --config $(CONFIG) $(ARGS)
 
+# Lint and import order (config in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check async_rl tests bench
+
 # Tests run in TEST_WORKERS processes (pytest-xdist); long ones start first.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not soak" tests
 
 # The full crash matrix: every sampler x lookahead/staleness x partial rollouts.

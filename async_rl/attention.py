@@ -58,7 +58,8 @@ class Spec:
         gather the activations' rows instead (every device then computes the whole batch)."""
         if self.mesh is None or self.mesh.size == 1:
             return x
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
         nb = int(np.prod([self.mesh.shape[a] for a in self.batch_axes])) if self.batch_axes else 1
         rows = self.batch_axes if self.batch_axes and x.shape[0] % nb == 0 else None
         nt = self.mesh.shape[self.head_axis] if self.head_axis else 1

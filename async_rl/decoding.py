@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from async_rl.engine import Engine, Prefix, sample_token, token_key
 from async_rl.config import ModelConfig
+from async_rl.engine import Engine, Prefix, sample_token, token_key
 from async_rl.model import layout
 
 

@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as PS
 
 from async_rl import attention, sharding
 from async_rl.config import ConfigError, ModelConfig
-from async_rl.sharding import is_var as _is_var
 from async_rl.model import KVCache, Recent, init_cache, init_recent, layout, write_recent
+from async_rl.sharding import is_var as _is_var
 
 
 @jax.tree_util.register_dataclass

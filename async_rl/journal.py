@@ -33,8 +33,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .journal_format import FORMAT, Entry, Segment, encode_header, encode_sample, prompt_crc, read_segment
-from .journal_format import layout_of, segment_files, signature
+from .journal_format import (
+    FORMAT,
+    Entry,
+    Segment,
+    encode_header,
+    encode_sample,
+    layout_of,
+    prompt_crc,
+    read_segment,
+    segment_files,
+    signature,
+)
 from .ledger import Group, Sample, State
 
 

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as PS
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
 
 from . import attention, losses, sharding
 from .batch import Batch, Row, build_batch, widen  # noqa: F401  (Row, build_batch: the learner's input)

@@ -10,9 +10,7 @@ checkpoint the same way).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import queue
 import threading
 import time

@@ -38,7 +38,6 @@ the other's resident state (weights and cache; parameters and optimizer state).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -299,7 +298,7 @@ def _loop_cost(cfg: C.Config, learner, mesh: Mesh, counted: np.ndarray) -> np.nd
     and kernel) and added for every iteration the step runs beyond the one counted. What
     is not scaled (embedding, loss, accumulation: once per micro-batch) is small."""
     lc, m = cfg.learner, cfg.model
-    rows, P, N = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, learner.P, learner.N
+    rows, N = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, learner.N
     per_update = rows // lc.minibatches
     R = lc.micro_batch_rows if lc.micro_batch_rows and lc.micro_batch_rows < per_update else per_update
     k, u = per_update // R, lc.ppo_epochs * lc.minibatches

@@ -36,12 +36,12 @@ from . import data as data_mod
 from . import faults, hf, memory, reshard, rewards, rundir, sharding
 from . import journal as journal_mod
 from . import signals as sig
-from .checkpoint import CheckpointError, Checkpointer, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
+from .checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
 from .config import Config, ConfigError
 from .engine import Engine
 from .evaluate import make_evaluator
-from .ledger import Ledger
 from .learner import Learner, Row, build_batch, params_fingerprint
+from .ledger import Ledger
 from .lineage import RunLogs
 from .metrics import MetricsSink, Rates, StepClock, host_metrics, plot_rewards, read_jsonl
 from .pump import Pump
@@ -208,7 +208,8 @@ def choose_start(parts: Parts, log) -> Start:
     if rundir.durable(run_dir) and cfg.run.resume != "restart":
         bad = f"; damaged steps: {', '.join(str(d.step) for d in damaged)}" if damaged else ""
         raise CheckpointError(
-            f"{run_dir} holds a run's history ({rundir.describe(hist) or 'the mark that a checkpoint covered it'}) but no checkpoint step to resume "
+            f"{run_dir} holds a run's history ({rundir.describe(hist) or 'the mark that a checkpoint covered it'}) "
+            "but no checkpoint step to resume "
             f"from{bad}; refusing to start over and bury it. Resume it with its original config, use a new "
             "run.dir, or pass run.resume=restart to move that history to run.dir/previous/ and start over "
             "(nothing was changed)")

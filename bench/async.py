@@ -59,11 +59,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import os
 import queue
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -150,7 +150,8 @@ def child(argv: list[str]) -> int:
     opts, cli_args = argv[:sep], argv[sep + 1:]
     trace_path = Path(opts[0])
     import jax
-    from async_rl import cli, learner, pump
+
+    from async_rl import cli, learner
 
     todo: queue.Queue = queue.Queue()
     trace: list[tuple[int, float, float]] = []

@@ -151,8 +151,8 @@ def part_save(args, scratch: Path) -> None:
     from async_rl import data as data_mod
     from async_rl import sharding
     from async_rl.checkpoint import Checkpointer
-    from async_rl.ledger import Ledger
     from async_rl.learner import Learner
+    from async_rl.ledger import Ledger
     from async_rl.tokenizer import build_tokenizer
 
     cfg = C.load(args.config, [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}",
@@ -264,7 +264,6 @@ def part_ledger(args, scratch: Path) -> None:
     quiet_orbax()
     import jax.numpy as jnp
     import numpy as np
-    import orbax.checkpoint as ocp
 
     from async_rl.checkpoint import Checkpointer, LedgerHandler, LedgerSave
     from async_rl.ledger import Ledger
@@ -386,8 +385,10 @@ def child_resume(argv: list[str]) -> int:
     sep = argv.index("--")
     out_path, cli_args = Path(argv[0]), argv[sep + 1:]
     import jax
+
     from async_rl import checkpoint as ck_mod
-    from async_rl import cli, ledger as ledger_mod, train as train_mod  # noqa: F401
+    from async_rl import cli  # noqa: F401
+    from async_rl import ledger as ledger_mod
     t_imports = time.time()
     spans: list[tuple[str, float, float]] = []
     jax.monitoring.register_event_time_span_listener(
@@ -472,7 +473,6 @@ def part_resume(args, scratch: Path) -> None:
             t_step = step_row["time"] if step_row else None
             rs = ob["restore"]
             restore_s = sum(b - a for a, b in rs)
-            restore_end = max((b for _, b in rs), default=ob["t_imports"])
             spans = [(a, b) for e, a, b in ob["spans"] if e in compile_events and (t_step is None or a < t_step)]
             comp_all = union_s(spans)
             # compile that overlaps restore (Orbax may jit while restoring) is counted once, as restore

@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+
 from async_rl import config as C  # noqa: E402
 from async_rl.ckpt_layout import committed_steps  # noqa: E402
 

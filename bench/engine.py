@@ -48,8 +48,9 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from async_rl import config as cfg_lib
 import common  # noqa: E402  (bench/common.py, beside this file)
+
+from async_rl import config as cfg_lib
 from async_rl.decoding import generate_all
 from async_rl.engine import Engine, sample_token, token_key
 from async_rl.model import Transformer, layout

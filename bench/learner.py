@@ -89,14 +89,16 @@ if ARGS is not None and ARGS.devices > 1:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from async_rl import config as cfg_lib  # noqa: E402
 import common  # noqa: E402  (bench/common.py, beside this file)
+
 from async_rl import attention, sharding  # noqa: E402
-from async_rl.plan import chip_for  # noqa: E402
+from async_rl import config as cfg_lib  # noqa: E402
 from async_rl.learner import Learner, Row, build_batch  # noqa: E402
+from async_rl.plan import chip_for  # noqa: E402
 
 
 def cpu_seconds() -> float:

@@ -39,6 +39,7 @@ def write_checkpoint(path: Path, shard_bytes: int) -> None:
     """Random bf16 weights, one tensor generated at a time, written by `hf.save_hf`."""
     import ml_dtypes
     import numpy as np
+
     from async_rl import hf
 
     mcfg = hf.model_config_from_hf(_config_dir(path), _base())
@@ -106,6 +107,7 @@ def measure(path: str, mode: str, param_dtype: str) -> dict:
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh
+
     from async_rl import hf, sharding
     from async_rl.config import ModelConfig
     from async_rl.model import Transformer
@@ -134,6 +136,7 @@ def _naive(path, aparams, shardings):
     import jax
     import numpy as np
     import safetensors.numpy as stn
+
     from async_rl import hf
 
     tensors = {}

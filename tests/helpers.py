@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
+import os as _os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from async_rl import config as C
-
-import os as _os
 
 # one persistent XLA cache per test session (conftest): in-process runs and subprocesses
 # reuse compiled programs instead of compiling the same shapes again
@@ -37,12 +41,6 @@ def steps_of(run_dir: Path) -> dict[int, list[int]]:
         out.setdefault(r["step"], []).append((r["ordinal"], r["prompt_id"]))
     return {s: [p for _, p in sorted(v)] for s, v in sorted(out.items())}
 
-
-import os
-import signal
-import subprocess
-import sys
-import time
 
 CLI = [sys.executable, "-m", "async_rl", "train", "--config", "configs/tiny.yaml"]
 

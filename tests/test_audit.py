@@ -4,11 +4,11 @@ import json
 import shutil
 
 import pytest
+from helpers import cfg, read_ledger
 
 from async_rl.audit import AuditError, audit
 from async_rl.cli import main
 from async_rl.train import train
-from helpers import cfg, read_ledger
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +154,7 @@ def test_a_live_then_killed_run_audits_as_pending_cut(tmp_path, xla_cache, capsy
     FAIL, while the run lives, once it is killed, and with the newest step's ledger deleted
     (that step cannot be resumed from: the one before it is checked)."""
     import shutil as sh
+
     from helpers import checkpoint_steps, kill9, spawn, wait_for_step
     run = tmp_path / "run"
     ov = ["data.num_records=200", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "checkpoint.keep=3"]

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cfg
 
 from async_rl import config as C
 from async_rl.checkpoint import state_digests
 from async_rl.train import build, train
-from helpers import cfg
 
 OV = ["data.num_records=16", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "checkpoint.keep=3",
       "train.max_steps=4"]

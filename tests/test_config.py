@@ -2,10 +2,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import MODEL
 
 from async_rl import config as C
 from async_rl.cli import main
-from helpers import MODEL
 
 
 def test_yaml_and_overrides_parse_to_declared_types(tmp_path):

@@ -8,9 +8,9 @@ import signal
 import time
 
 import pytest
+from helpers import checkpoint_steps, kill9, lineage, run_cli, spawn, wait_for_step, wait_until
 
 from async_rl.audit import audit
-from helpers import checkpoint_steps, kill9, lineage, run_cli, spawn, wait_for_step, wait_until
 
 BASE = ["data.num_records=32", "rollout.prompts_per_step=2", "data.num_epochs=1",
         "checkpoint.every_steps=1", "checkpoint.keep=2"]

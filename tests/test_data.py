@@ -10,12 +10,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import MODEL
 
 from async_rl import config
 from async_rl.config import ConfigError
 from async_rl.data import DataError, build_dataset, make_iterator, synthetic_record
 from async_rl.tokenizer import ByteTokenizer
-from helpers import MODEL
 
 TOK = ByteTokenizer()
 

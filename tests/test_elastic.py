@@ -12,13 +12,12 @@ import time
 from collections import Counter
 
 import pytest
+from helpers import cfg, checkpoint_steps, finish_job, read_stderr, spawn_job, tree_digest, wait_for_step, wait_until
 
 from async_rl.audit import audit
 from async_rl.checkpoint import read_ledger
 from async_rl.ledger import Ledger
 from async_rl.train import train
-from helpers import (cfg, checkpoint_steps, finish_job, read_stderr, spawn_job, tree_digest, wait_for_step,
-                     wait_until)
 
 RECORDS, EPOCHS, PPS = 30, 2, 6
 BASE = [f"data.num_records={RECORDS}", f"data.num_epochs={EPOCHS}", "data.shuffle=true",

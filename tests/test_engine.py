@@ -6,12 +6,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import CACHE_LAYOUTS
 
 from async_rl.config import ModelConfig
 from async_rl.decoding import generate_all, naive_generate
 from async_rl.engine import Engine, sample_token
 from async_rl.model import Transformer, layout
-from helpers import CACHE_LAYOUTS
 
 V, P, N, EOS = 40, 8, 8, 2
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qkv_bias=True,

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import CACHE_LAYOUTS
 
 from async_rl import losses
 from async_rl.config import ModelConfig
 from async_rl.decoding import generate_all
 from async_rl.engine import Engine
 from async_rl.model import Transformer, layout
-from helpers import CACHE_LAYOUTS
 
 V, P, N, EOS = 40, 8, 8, 2
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=64, qkv_bias=True, tie_embeddings=False)

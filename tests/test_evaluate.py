@@ -3,13 +3,13 @@ step's metrics row, never touching the training stream, not repeated by a resume
 import json
 
 import pytest
+from helpers import cfg, lineage, run_cli
 
 from async_rl import config as C
 from async_rl.audit import audit
 from async_rl.cli import main
 from async_rl.evaluate import build_eval_set
 from async_rl.tokenizer import build_tokenizer
-from helpers import cfg, lineage, run_cli
 
 
 def _metrics(run_dir):

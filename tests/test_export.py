@@ -13,6 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from flax import nnx
+from helpers import cfg, lineage
+from test_hf import CONFIGS, random_weights, write_checkpoint
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from async_rl import cli, hf
@@ -21,9 +23,6 @@ from async_rl.config import ModelConfig
 from async_rl.learner import params_fingerprint
 from async_rl.model import Transformer
 from async_rl.train import train
-
-from helpers import cfg, lineage
-from test_hf import CONFIGS, random_weights, write_checkpoint
 
 HC = dict(CONFIGS["qwen2"], bos_token_id=2, eos_token_id=3)
 

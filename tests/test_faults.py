@@ -5,10 +5,10 @@ import json
 import signal
 
 import pytest
+from helpers import checkpoint_steps, lineage, run_cli
 
 from async_rl.audit import audit
 from async_rl.cli import main
-from helpers import checkpoint_steps, lineage, run_cli
 
 BASE = ["data.num_records=40", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "checkpoint.keep=3"]
 

@@ -14,7 +14,8 @@ import safetensors.numpy as stn
 from flax import nnx
 from jax.sharding import Mesh
 
-from async_rl import config as C, hf, sharding
+from async_rl import config as C
+from async_rl import hf, sharding
 from async_rl.config import ConfigError, ModelConfig
 from async_rl.model import Transformer
 

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import read_ledger, run_cli
 
 from async_rl import config as C
 from async_rl.audit import audit
@@ -13,7 +14,6 @@ from async_rl.journal import open_journal
 from async_rl.journal_format import read_segment, segment_files
 from async_rl.ledger import Ledger
 from async_rl.sampler import make_sampler
-from helpers import read_ledger, run_cli
 
 PPS = 2  # groups per step in these tests: ordinal o is stamped o // 2 + 1
 

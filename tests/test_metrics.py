@@ -54,6 +54,7 @@ def test_main_thread_ledger_reads_hold_the_lock_while_the_pump_thread_mutates():
 
 def _tb_steps(tb_dir):
     import struct
+
     from tensorboardX.proto.event_pb2 import Event
     steps = []
     for f in sorted(tb_dir.glob("events.out.tfevents.*")):
@@ -71,6 +72,7 @@ def _tb_steps(tb_dir):
 
 def test_tensorboard_events_are_cut_back_to_the_restored_step(tmp_path):
     from tensorboardX import SummaryWriter
+
     from async_rl.tbwriter import cut_events
     for i, session in enumerate(((1, 2, 3, 4, 5), (4, 5, 6))):  # a killed session logged 4, 5 past step 3
         w = SummaryWriter(str(tmp_path / "tb"), filename_suffix=f".s{i}")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from async_rl.config import ModelConfig
 from async_rl import attention
+from async_rl.config import ModelConfig
 from async_rl.model import Transformer, init_cache, layout
 
 V, P, N = 40, 8, 8

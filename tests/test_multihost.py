@@ -4,9 +4,9 @@ one SPMD learner across both; killed and resumed, every prompt still trained onc
 import json
 
 import pytest
+from helpers import run_multi
 
 from async_rl.audit import audit
-from helpers import run_multi
 
 # synchronous saves: the kill at step 5 must find step 4's checkpoint committed
 BASE = ["data.num_records=25", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "data.shuffle=false",

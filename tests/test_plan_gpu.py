@@ -9,10 +9,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from async_rl import cli
+from async_rl import cli, plan_gpu
 from async_rl import config as C
 from async_rl import plan as PL
-from async_rl import plan_gpu
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA compiler plugin: pip install -e '.[gpu-plan]'")
 

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import real_model
 import safetensors.numpy as stn
 from flax import nnx
 from jax.sharding import Mesh
 
-import real_model
 from async_rl import hf, losses, sharding
 from async_rl.config import ModelConfig
 from async_rl.decoding import generate_all
@@ -170,8 +170,9 @@ def resumed_run(smollm2, tmp_path_factory, xla_cache):
 
 @pytest.mark.soak
 def test_sigkill_and_resume_train_each_prompt_exactly_once(resumed_run):
-    from async_rl.audit import audit
     from helpers import lineage
+
+    from async_rl.audit import audit
     run, stderr = resumed_run
     ids = [r["prompt_id"] for r in lineage(run)]
     assert len(ids) == len(set(ids)) == 4 * 2 and audit(run)["ok"]

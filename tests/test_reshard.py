@@ -9,13 +9,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import MODEL
 
 from async_rl import config
 from async_rl.data import Partition, build_dataset, make_iterator
 from async_rl.ledger import Ledger
 from async_rl.reshard import deal, new_ledger
 from async_rl.tokenizer import ByteTokenizer
-from helpers import MODEL
 
 TOK = ByteTokenizer()
 

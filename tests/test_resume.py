@@ -3,11 +3,11 @@ import json
 import shutil
 
 import pytest
+from helpers import cfg, checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest
 
 from async_rl.audit import audit
 from async_rl.config import ConfigError
 from async_rl.train import train
-from helpers import (cfg, checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest)
 
 BASE = ["data.shuffle=false", "data.num_records=24", "rollout.prompts_per_step=3"]
 

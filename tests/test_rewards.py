@@ -6,12 +6,11 @@ import sys
 import types
 
 import pytest
+from helpers import MODEL
 
 from async_rl import config
 from async_rl.config import ConfigError
-from async_rl.rewards import (extract_answer, get_reward, registered, reward_for_config,
-                              task_reward)
-from helpers import MODEL
+from async_rl.rewards import extract_answer, get_reward, registered, reward_for_config, task_reward
 
 
 @pytest.mark.parametrize("out, target, want", [
@@ -163,6 +162,7 @@ def _reward_module(tmp_path, monkeypatch):
 
 def test_a_hanging_reward_fails_the_run_naming_the_prompt(tmp_path, monkeypatch, xla_cache):
     import time
+
     from helpers import run_cli
     _reward_module(tmp_path, monkeypatch)
     t0 = time.monotonic()
@@ -176,6 +176,7 @@ def test_a_hanging_reward_fails_the_run_naming_the_prompt(tmp_path, monkeypatch,
 
 def test_sigterm_during_a_hanging_reward_stops_the_run(tmp_path, monkeypatch, xla_cache):
     import signal
+
     from helpers import finish_job, spawn, wait_until
     _reward_module(tmp_path, monkeypatch)
     p = spawn(tmp_path / "run", "rollout.reward=slow_reward:hang", "rollout.reward_timeout_s=600",
@@ -189,6 +190,7 @@ def test_sigterm_during_a_hanging_reward_stops_the_run(tmp_path, monkeypatch, xl
 @pytest.mark.parametrize("value", ["'0.5'", "True", "None", "float('nan')"])
 def test_a_reward_that_is_not_a_real_number_stops_the_run_naming_it(tmp_path, value):
     from helpers import cfg
+
     from async_rl.pump import RewardError
     from async_rl.rewards import _REGISTRY
     from async_rl.train import train

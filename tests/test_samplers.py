@@ -4,14 +4,14 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cfg, lineage, rollouts
 
 from async_rl import config as C
 from async_rl import losses
 from async_rl.audit import audit
-from async_rl.ledger import Group, Sample
 from async_rl.learner import Row, build_batch
+from async_rl.ledger import Group, Sample
 from async_rl.train import train
-from helpers import cfg, lineage, rollouts
 
 
 def _check_staleness(run_dir, bound):
@@ -40,6 +40,7 @@ def test_windowed_trains_freshest_first_and_regenerates_stale(tmp_path, monkeypa
     # a learner slower than generation: the buffer holds groups of several versions
     monkeypatch.setenv("ASYNC_RL_DELAY", "step:0.15")
     import importlib
+
     from async_rl import faults
     importlib.reload(faults)
     try:
@@ -62,6 +63,7 @@ def test_partial_rollout_sample_carries_both_versions(tmp_path, monkeypatch):
     # long completions, few slots and a fast learner: publications land mid-sample
     monkeypatch.setenv("ASYNC_RL_DELAY", "generate:0.004")
     import importlib
+
     from async_rl import faults
     importlib.reload(faults)
     try:

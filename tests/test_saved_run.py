@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+from helpers import cfg, checkpoint_steps, kill9, spawn, wait_for_step
 
 from async_rl import cli
 from async_rl.train import train
-from helpers import cfg, checkpoint_steps, kill9, spawn, wait_for_step
 
 BASE = ["data.num_records=40", "model.learned_positions=0", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "checkpoint.keep=3"]
 EVAL = ["eval.num_records=4"]

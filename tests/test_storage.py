@@ -8,9 +8,9 @@ import signal
 import subprocess
 
 import pytest
+from helpers import checkpoint_steps, run_cli, spawn, wait_for_step, wait_until
 
 from async_rl.audit import audit
-from helpers import checkpoint_steps, run_cli, spawn, wait_for_step, wait_until
 
 BASE = ["data.num_records=48", "rollout.prompts_per_step=4", "checkpoint.every_steps=2"]
 

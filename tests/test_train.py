@@ -3,11 +3,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers import cfg, lineage, steps_of
 
 from async_rl.audit import audit
 from async_rl.train import train
-
-from helpers import cfg, lineage, steps_of
 
 
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
@@ -76,10 +75,11 @@ def test_disjoint_engine_devices_and_kl(tmp_path):
 
 
 def test_a_model_too_large_for_memory_is_refused_at_start(tmp_path):
+    from helpers import cfg
+
     from async_rl import memory
     from async_rl.config import ConfigError
     from async_rl.train import train
-    from helpers import cfg
     with pytest.raises(ConfigError, match=r"the run needs at least .* GiB .*run\.memory_check=false"):
         train(cfg(tmp_path, "model.d_model=65536", "model.n_layers=64", "model.d_ff=131072"))
     assert not (tmp_path / "lineage.jsonl").exists()

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_cli
+from test_learner import batch_of, make, random_rows
 
 from async_rl import config as C
 from async_rl import losses
 from async_rl.learner import params_fingerprint
-from helpers import run_cli
-from test_learner import batch_of, make, random_rows
 
 # sha256 prefixes of the trained params under the default loss, taken before the loss
 # variants were added; any change to the default update changes them
