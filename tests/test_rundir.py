@@ -15,7 +15,8 @@ BASE = ["data.num_records=48", "rollout.prompts_per_step=4", "checkpoint.every_s
 
 
 def test_second_process_on_a_run_dir_in_use_exits_2_and_touches_nothing(tmp_path, xla_cache):
-    first = spawn(tmp_path, *BASE, cache=xla_cache, delay="step:0.3")
+    # slow steps: the first run must outlive the second's start-up and refusal (12 steps in all)
+    first = spawn(tmp_path, *BASE, cache=xla_cache, delay="step:2")
     try:
         assert wait_for_step(tmp_path, 2, first)
         mine = ("config.yaml", "data.json", ".lock")  # files the running process no longer writes
