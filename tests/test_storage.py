@@ -92,7 +92,9 @@ WRITERS = {"tensorboard": ("tb", ["log.tensorboard=true", "log.every_steps=1"]),
            "metrics": ("metrics.jsonl", []),
            "lineage": ("lineage.jsonl", []),
            "drops": ("drops.jsonl", ["rollout.filter_zero_variance=true"]),
-           "journal": ("journal", [])}
+           "journal": ("journal", []),
+           "rollouts": ("rollouts.jsonl", ["log.rollouts=true"]),
+           "checkpoint": ("checkpoints", [])}
 
 
 @pytest.mark.soak
