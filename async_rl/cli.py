@@ -12,7 +12,7 @@ import json
 import sys
 
 from . import config as C
-from . import signals
+from . import faults, signals
 
 
 def _groups_help() -> str:
@@ -98,10 +98,17 @@ def _keep_off_libtpu(cmd: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     # before anything heavy is imported: a SIGTERM during imports or start-up is kept, not fatal
     handlers = signals.install()
+    code = 1
     try:
-        return _main(argv)
+        code = _main(argv)
     finally:
-        signals.release(handlers)
+        # run as the program (arguments from sys.argv), the process exits next: a signal from
+        # here on finds the command ended and its work saved, and exits with its code
+        signals.release(handlers, exiting=code if argv is None else None)
+        faults.delay("exit")
+    if argv is None:
+        signals.exit_if_left_running(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:
@@ -159,14 +166,14 @@ def _main(argv: list[str] | None) -> int:
     from .data import DataError
     from .pump import RewardError
     from .rundir import LockLostError, StorageError, storage_error
-    from .sharding import init_distributed
+    from .sharding import PeerFailedError, init_distributed
     from .train import train
     init_distributed()
     try:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
-    except (NonFiniteError, CheckpointWriteError, LockLostError, StorageError, RewardError) as e:
+    except (NonFiniteError, CheckpointWriteError, LockLostError, StorageError, RewardError, PeerFailedError) as e:
         return _err(str(e), 1)
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)

@@ -15,8 +15,9 @@ swapped in, the previous one not yet removed). Does not own: anything else; with
 call is a dictionary lookup.
 
 `ASYNC_RL_DELAY` (comma-separated `point:seconds`, e.g. `generate:0.01,step:0.5`) sleeps
-at `generate` (after each engine generate call, per decode step in it: seconds a token)
-and `step` (after each learner step).
+at `generate` (after each engine generate call, per decode step in it: seconds a token),
+`step` (after each learner step) and `exit` (the CLI's command has returned, the process is
+about to exit; it prints a line first).
 """
 
 from __future__ import annotations
@@ -44,6 +45,30 @@ _ENOSPC = {tuple(p.split(":")[1:3]) for p in os.environ.get("ASYNC_RL_FAULT", ""
            if p.startswith("enospc:") and p.count(":") == 2}
 
 
+# ASYNC_RL_FAULT=fail:<where>:<n>: a RuntimeError raised at the n-th call of that point in this
+# process, where = reward (inside the reward function's call: the reward thread fails).
+_FAIL = {tuple(p.split(":")[1:3]) for p in os.environ.get("ASYNC_RL_FAULT", "").split(",")
+         if p.startswith("fail:") and p.count(":") == 2}
+_calls: dict[str, int] = {}
+
+
+def fail(where: str) -> None:
+    if _FAIL:
+        _calls[where] = n = _calls.get(where, 0) + 1
+        if (where, str(n)) in _FAIL:
+            raise RuntimeError(f"injected failure ({where} call {n})")
+
+
+# ASYNC_RL_FAULT=wait:<what>:<seconds>: a shorter bound on a wait, where what = pump_stop (how
+# long stopping the run waits for the pump thread to leave a compile or device call).
+_WAITS = {p.split(":")[1]: float(p.split(":")[2]) for p in os.environ.get("ASYNC_RL_FAULT", "").split(",")
+          if p.startswith("wait:") and p.count(":") == 2}
+
+
+def wait_s(what: str, default: float) -> float:
+    return _WAITS.get(what, default)
+
+
 def enospc_points() -> bool:
     return bool(_ENOSPC)
 
@@ -59,4 +84,6 @@ _DELAYS = {k: float(v) for k, v in (p.split(":", 1) for p in os.environ.get("ASY
 
 def delay(name: str, times: int = 1) -> None:
     if _DELAYS and name in _DELAYS:
+        if name == "exit":
+            print(f"fault: delay at exit ({_DELAYS[name]:g} s)", file=sys.stderr, flush=True)
         time.sleep(_DELAYS[name] * times)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from . import faults
+from . import faults, signals
 from .decoding import chunk_ends
 from .ledger import Group, Ledger, Sample, State
 from .rewards import as_real
@@ -92,7 +92,12 @@ class Pump:
         self._computing.put(None)
         with self.ledger.changed:
             self.ledger.changed.notify_all()
-        self._thread.join(timeout=60)
+        wait = faults.wait_s("pump_stop", 60.0)
+        self._thread.join(timeout=wait)
+        if self._thread.is_alive():
+            self.log(f"warning: the pump thread did not stop within {wait:g} s (inside a compile or a device call); "
+                     "the process exits without waiting for it")
+            signals.left_running(self._thread.name)
         self._watcher.join(timeout=60)
         self._to_reward.put(None)  # after the pump thread: it queues until it exits
         end = time.monotonic() + 60
@@ -436,6 +441,7 @@ class Pump:
             text = self.tok.decode([t for t in s.tokens if t not in self._stops])
             self._in_reward = (time.monotonic(), g)
             try:
+                faults.fail("reward")
                 raw = self.reward_fn(text, g.answer)
             except Exception as e:
                 raise RewardError(f"reward function failed on prompt_id={g.prompt_id} "

@@ -67,6 +67,40 @@ def agree(values) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
 
+class PeerFailedError(RuntimeError):
+    """Another process of the job failed; this one stopped with it at the same agreement."""
+
+
+def agree_or_fail(values, error: BaseException | None) -> np.ndarray:
+    """`agree(values)` with one more column: whether each process has failed (`error`, not yet
+    raised). When any has, every process raises here, together: this process its own error,
+    the others PeerFailedError naming the first failed process and its error's first line.
+    Without it a failed process leaves the collectives the others still wait in."""
+    flags = agree([*values, error is not None])
+    failed = np.flatnonzero(flags[:, -1])
+    if not len(failed):
+        return flags[:, :-1]
+    texts = agree_text(_first_line(error) if error is not None else "")  # every process takes part
+    if error is not None:
+        raise error
+    i = int(failed[0])
+    raise PeerFailedError(f"process {i} of {jax.process_count()} failed: {texts[i]}")
+
+
+def agree_text(text: str, size: int = 400) -> list[str]:
+    """Every process's `text` (UTF-8, cut to `size` bytes), by process; a collective like `agree`."""
+    b = text.encode()[:size]
+    row = np.zeros(size + 1)
+    row[0] = len(b)
+    row[1:1 + len(b)] = np.frombuffer(b, np.uint8)
+    return [bytes(r[1:1 + int(r[0])].astype(np.uint8)).decode(errors="replace") for r in agree(row)]
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def make_devices(cfg: MeshConfig) -> Devices:
     """Splits devices and builds the learner mesh; errors name the mesh.* field.
 

@@ -4,12 +4,15 @@ Owns: the handlers and the record of a received signal. The CLI installs them be
 imports anything heavy, so a signal during imports, restore or compilation is kept and
 acted on once `train` reaches a safe point (before it changes run.dir: exit 0 saying
 nothing was changed; while training: save at the next step boundary, exit 0). A second
-signal exits at once; the last committed checkpoint stays intact. Does not own: what a
-safe point does (train).
+signal exits at once; the last committed checkpoint stays intact. Once the command has ended
+and the process is on its way out (`release(..., exiting=code)`), a signal changes nothing: the
+process exits with the command's code (a second signal: at once, with that code). Does not own:
+what a safe point does (train).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -60,12 +63,55 @@ def reassert() -> None:
             signal.signal(sig, _active._handle)
 
 
-def release(s: Signals) -> None:
-    """Undoes one `install`; the last one restores the previous handlers."""
+def release(s: Signals, exiting: int | None = None) -> None:
+    """Undoes one `install`; the last one restores the previous handlers, or with `exiting` (the
+    process exits next, with that code) installs ones that let it exit with that code."""
     global _active
     s._users -= 1
     if s._users > 0 or s is not _active:
         return
     for sig, old in s._old.items():
-        signal.signal(sig, old)
+        signal.signal(sig, old if exiting is None else _Exiting(exiting, s.log))
+    if exiting is not None:
+        _exiting.extend(s._old)
     _active = None
+
+
+_exiting: list = []  # signals handled by _Exiting
+_left_running: list[str] = []  # threads that did not stop, maybe inside a compile or device call
+
+
+def left_running(name: str) -> None:
+    """Records a thread that did not stop when asked (see `exit_if_left_running`)."""
+    _left_running.append(name)
+
+
+def exit_if_left_running(code: int) -> None:
+    """Exits with `code` at once, without finalizing the interpreter, where a thread was left
+    running: Python ends such a thread mid-call while it finalizes, and one inside XLA's C++
+    (a compile, a device call) then aborts the process ("exception not rethrown") after the
+    run ended cleanly. Everything the run writes is closed by then."""
+    if _left_running:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@atexit.register  # registered at import, before any library's exit hook: runs after all of them
+def _ignore_while_finalizing() -> None:
+    """Python puts its handlers back to the default while it finalizes: a late signal is ignored instead."""
+    for sig in _exiting:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class _Exiting:
+    """A signal while the process exits after its command ended: the work is saved; exit with its code."""
+
+    def __init__(self, code: int, log):
+        self.code, self.log, self.seen = code, log, False
+
+    def __call__(self, signum, frame) -> None:
+        if self.seen:
+            os._exit(self.code)
+        self.seen = True
+        self.log(f"{signal.Signals(signum).name} while exiting: the run has ended; exiting with code {self.code}")

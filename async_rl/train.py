@@ -18,6 +18,7 @@ own: any of the parts it wires. See docs/design.md.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -330,6 +331,7 @@ class Session:
         self.reason = "max_steps"
         self.job_signalled = False  # some process of the job was signalled (agreed at a step boundary)
         self.trained = 0  # steps trained by this process in this session
+        self.failed: BaseException | None = None  # this process's failure, kept for the next agreement
         self.save_blocking_s: float | None = None
         # The pump thread is mostly Python between engine calls; a shorter GIL switch interval
         # keeps it from starving Orbax's commit thread (measured: commit 5.4 s -> 2.1 s).
@@ -346,11 +348,38 @@ class Session:
         self.logs.filtered(s, groups)
 
     def local_stop(self) -> bool:
-        return self.signals.received is not None or self.pump.error is not None
+        return self.signals.received is not None or self.local_error() is not None
 
     def should_stop(self) -> bool:
         # one process cannot leave a step the others enter: with several, stop only at step boundaries
-        return self.local_stop() if self.pc == 1 else self.pump.error is not None
+        return self.local_stop() if self.pc == 1 else self.local_error() is not None
+
+    def local_error(self) -> BaseException | None:
+        """This process's failure not yet raised: of its main thread's own work, or of its pump
+        or reward threads."""
+        return self.failed or self.pump.error
+
+    @contextlib.contextmanager
+    def local_work(self):
+        """Work of this process alone (its files, its checks). With several processes a failure
+        in it is kept for the next agreement, which stops every process there (`agree`): raised
+        here, it would leave the others waiting in a collective this one never joins."""
+        try:
+            yield
+        except Exception as e:
+            if self.pc == 1:
+                raise
+            self.failed = self.failed or e
+
+    def agree(self, values) -> np.ndarray:
+        """Every process's `values`; where a process has failed, every process stops here:
+        that one with its error, the others naming it (nothing saved after the last committed step)."""
+        try:
+            return sharding.agree_or_fail(values, self.local_error())
+        except sharding.PeerFailedError as e:
+            raise sharding.PeerFailedError(
+                f"{e}; every process stopped after step {self.step}, nothing saved after the last committed "
+                f"checkpoint (step {max(self.last_saved, 0)})") from None
 
     def eval_at_start(self) -> None:
         """`eval.at_start`: the starting weights' scores as a step-0 metrics row. A resume from a
@@ -380,8 +409,9 @@ class Session:
     def next_groups(self) -> list | None:
         """This process's groups of the next step; None when the run stops here."""
         if self.lock is not None:
-            self.lock.check(self.parts.run_dir, log=self.log)  # a deleted or replaced .lock: stop before writing
-        flags = sharding.agree([self.local_stop(), self.sampler.finished(self.step), self.signals.received is not None])
+            with self.local_work():  # a deleted or replaced .lock: stop before writing
+                self.lock.check(self.parts.run_dir, log=self.log)
+        flags = self.agree([self.local_stop(), self.sampler.finished(self.step), self.signals.received is not None])
         if flags[:, 2].any():
             self.job_signalled = True  # every process saves (or not) alike, whichever was signalled
         if flags[:, 0].any():
@@ -392,8 +422,8 @@ class Session:
         t0 = time.perf_counter()
         try:
             groups = self.sampler.next_batch(self.step + 1, should_stop=self.should_stop)
-        except Stopped:
-            return None
+        except Stopped:  # with several processes: a failure, which the step's agreement stops every one on
+            return None if self.pc == 1 else []
         self.rates.wait_s += time.perf_counter() - t0
         if groups is None:
             if self.pc == 1:
@@ -412,7 +442,7 @@ class Session:
         batch = build_batch(rows, n_rows=self.parts.local_pps * cfg.rollout.samples_per_prompt,
                             prompt_len=cfg.engine.max_prompt_len, max_new=cfg.rollout.max_new_tokens,
                             pad_id=self.parts.tok.pad_id, bucket_min=cfg.learner.bucket_min)
-        if sharding.agree([len(groups)]).sum() > 0:
+        if self.agree([len(groups)]).sum() > 0:
             self.state, dev_metrics = self.learner.step(self.state, batch, self.ref_params)
             self.clock.dispatched(self.step + 1, dev_metrics)
         else:  # every group of the step was filtered: the weights stay as they are
@@ -424,22 +454,15 @@ class Session:
         self.params_e = self.engine_params()
         self.pump.publish(self.step, self.params_e)
         publish_s = time.perf_counter() - t_publish
-        if self.trained == 0 and self.primary:
-            (self.parts.run_dir / "final.json").unlink(missing_ok=True)  # the run goes on past its end
-        with ledger.lock:
-            ledger.commit(groups)
-            self.logs.trained(self.step, groups)
-            if cfg.learner.overlong == "filter":  # I4: samples left out of the loss are logged
-                for g, ts in zip(groups, cut):
-                    if any(ts):
-                        self.logs.overlong(self.step, g, [i for i, t in enumerate(ts) if t])
         self.trained += 1
-        faults.point("step", self.step)
-        faults.delay("step")
-        self.flush_metrics()
-        self.ckpt.check_for_errors()
-        self._mark_checkpointed()
-        self._compact_journal()
+        with self.local_work():
+            self._commit(groups, cut)
+            faults.point("step", self.step)
+            faults.delay("step")
+            self.flush_metrics()
+            self.ckpt.check_for_errors()
+            self._mark_checkpointed()
+            self._compact_journal()
         host = host_metrics(batch, self.step, groups, ledger)
         host["perf/publish_s"] = publish_s  # host time to dispatch the cast/reshard and hand it over
         host.update(self.rates.take(self.pump.stats, self.clock.idle_fraction(self.step)))
@@ -451,6 +474,18 @@ class Session:
         if self.evaluator is not None and self.step % cfg.eval.every_steps == 0:
             host.update(self.evaluate())
         self.pending = (self.step, dev_metrics, host)
+
+    def _commit(self, groups: list, cut: list) -> None:
+        """The step's groups leave the ledger and enter the lineage log (this process's share)."""
+        if self.trained == 1 and self.primary:
+            (self.parts.run_dir / "final.json").unlink(missing_ok=True)  # the run goes on past its end
+        with self.ledger.lock:
+            self.ledger.commit(groups)
+            self.logs.trained(self.step, groups)
+            if self.cfg.learner.overlong == "filter":  # I4: samples left out of the loss are logged
+                for g, ts in zip(groups, cut):
+                    if any(ts):
+                        self.logs.overlong(self.step, g, [i for i, t in enumerate(ts) if t])
 
     def engine_params(self):
         """The weights as the engine reads them: `Engine.load_params` casts and reshards the
@@ -493,20 +528,20 @@ class Session:
 
     def save(self) -> None:
         s = self.step
-        if self.lock is not None:
-            self.lock.check(self.parts.run_dir, log=self.log)
-        self.flush_metrics()
         pump = self.pump
-        if self.cfg.run.determinism:
-            pump.pause_for_cut(s, should_stop=lambda: pump.error is not None)
-        with self.ledger.lock:  # I2: iterator state, ledger and log sizes at one instant
-            it_state = pump.iterator_state()
-            cut = self.ledger.capture()
-            cut.counters["logs"] = {**self.logs.sizes(), "metrics_bytes": self.sink.jsonl.tell()}
-            if self.journal is not None:
-                self.journal.rotate(s)  # records after the cut go to a segment this checkpoint does not cover
-        if pump.error is not None:
-            raise pump.error
+        with self.local_work():
+            if self.lock is not None:
+                self.lock.check(self.parts.run_dir, log=self.log)
+            self.flush_metrics()
+            if self.cfg.run.determinism:
+                pump.pause_for_cut(s, should_stop=lambda: self.local_error() is not None)
+            with self.ledger.lock:  # I2: iterator state, ledger and log sizes at one instant
+                it_state = pump.iterator_state()
+                cut = self.ledger.capture()
+                cut.counters["logs"] = {**self.logs.sizes(), "metrics_bytes": self.sink.jsonl.tell()}
+                if self.journal is not None:
+                    self.journal.rotate(s)  # records after the cut go to a segment this checkpoint does not cover
+        self.agree([])  # no process enters the save's collectives where one has failed
         meta = {"step": s, "version": s, "data_stream": C.data_stream(self.cfg), "config": C.to_dict(self.cfg),
                 "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
         self.ckpt.save(s, self.state, it_state, cut, meta)
@@ -530,22 +565,23 @@ class Session:
             self.checkpointed = True
 
     def finish(self) -> None:
-        flags = sharding.agree([self.sampler.finished(self.step), self.signals.received is not None])
+        flags = self.agree([self.sampler.finished(self.step), self.signals.received is not None])
         if self.reason != "data_exhausted" and flags[:, 0].all():
             self.reason = "data_exhausted"
         self.job_signalled = self.job_signalled or bool(flags[:, 1].any())
-        if self.pump.error is not None:
-            raise self.pump.error
         if self.job_signalled:
             self.reason = "signal"
             if not self.trained and self.signals.received:
                 self.log(f"{self.signals.received} during start-up: stopped before training "
                          f"({'at checkpoint step ' + str(self.step) if self.last_saved >= 0 else 'nothing trained'})")
-        if self.evaluator is not None and self.evaluated != self.step and self.pending is not None:
-            self.pending[2].update(self.evaluate())  # the end of the run: score its final weights
-        self.flush_metrics()
+        with self.local_work():
+            if self.evaluator is not None and self.evaluated != self.step and self.pending is not None:
+                self.pending[2].update(self.evaluate())  # the end of the run: score its final weights
+            self.flush_metrics()
         if self.last_saved != self.step and (self.trained or not self.job_signalled):
             self.save()
+        else:
+            self.agree([])
         self.ckpt.wait()
         self._mark_checkpointed()
         self._compact_journal()

@@ -1,6 +1,7 @@
 """Shared test helpers: small configs and reading run outputs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import os as _os
@@ -173,16 +174,17 @@ def handles_sigterm(pid: int) -> bool:
 
 
 def spawn_job(run_dir: Path, *overrides: str, nproc: int = 1, devices_per_process: int | None = None,
-              kill_at: str = "", delay: str = "") -> list[subprocess.Popen]:
+              kill_at: str = "", delay: str = "", fault: dict[int, str] | None = None) -> list[subprocess.Popen]:
     """`nproc` training processes on `run_dir` (joined through jax.distributed on loopback when
     more than one), each with `devices_per_process` forced CPU devices (default: this session's);
-    `kill_at` applies to process 0. stderr goes to a temporary file (`read_stderr`)."""
+    `kill_at` applies to process 0, `fault` ({process: ASYNC_RL_FAULT}) to the processes it names.
+    stderr goes to a temporary file (`read_stderr`)."""
     import tempfile
     port = free_port()
     procs = []
     for i in range(nproc):
         env = dict(os.environ, PYTHONUNBUFFERED="1", ASYNC_RL_KILL_AT=kill_at if i == 0 else "",
-                   ASYNC_RL_DELAY=delay)
+                   ASYNC_RL_DELAY=delay, ASYNC_RL_FAULT=(fault or {}).get(i, ""))
         if devices_per_process:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
         if nproc > 1:
@@ -193,6 +195,19 @@ def spawn_job(run_dir: Path, *overrides: str, nproc: int = 1, devices_per_proces
         p.err_file = err
         procs.append(p)
     return procs
+
+
+@contextlib.contextmanager
+def running_job(run_dir: Path, *overrides: str, **kw):
+    """`spawn_job` whose processes still running when the block ends are SIGKILLed."""
+    procs = spawn_job(run_dir, *overrides, **kw)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=60)
 
 
 def read_stderr(proc: subprocess.Popen) -> str:

@@ -134,3 +134,51 @@ def test_second_signal_exits_at_once_and_keeps_the_last_checkpoint(tmp_path, xla
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed step 2" in r.stderr or "resumed step 4" in r.stderr
     assert audit(tmp_path)["ok"]
+
+
+def test_a_signal_while_a_finished_run_exits_changes_nothing(tmp_path, xla_cache):
+    """The run has ended and saved; the process is on its way out (held there by a delay point):
+    a SIGTERM then exits with the run's code, 0, not -15; a second one exits at once with it."""
+    from helpers import read_stderr, spawn_job
+    (p,) = spawn_job(tmp_path, *BASE, "train.max_steps=2", f"run.compilation_cache={xla_cache}", delay="exit:30")
+    try:
+        wait_until(lambda: "fault: delay at exit" in read_stderr(p) or p.poll() is not None, 400, "the run's exit")
+        assert p.poll() is None, read_stderr(p)[-3000:]
+        assert json.loads((tmp_path / "final.json").read_text())["step"] == 2
+        p.send_signal(signal.SIGTERM)
+        wait_until(lambda: "SIGTERM while exiting" in read_stderr(p), 10, "the signal's note")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=10) == 0, read_stderr(p)[-3000:]  # the second at once, long before the delay ends
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=60)
+    assert "SIGTERM while exiting: the run has ended; exiting with code 0" in read_stderr(p)
+    assert checkpoint_steps(tmp_path) == [1, 2] and audit(tmp_path)["ok"]
+
+
+def test_a_run_stopped_while_its_pump_compiles_exits_cleanly(tmp_path):
+    """SIGTERM at start-up while the pump thread generates the first groups (compiles, device
+    calls; no compilation cache) and stopping waits only 0.1 s for it: exit 0 with a warning,
+    not an abort of Python's finalization ("exception not rethrown") on the thread left in C++."""
+    from helpers import read_stderr, spawn_job
+
+    def generating(run):
+        return any(f.stat().st_size for f in (run / "journal").rglob("*.jrn"))
+    for attempt in range(3):  # until the signal finds the pump thread busy
+        run = tmp_path / str(attempt)
+        (p,) = spawn_job(run, *BASE, "run.compilation_cache=", fault={0: "wait:pump_stop:0.1"})
+        try:
+            wait_until(lambda: generating(run) or p.poll() is not None, 300, "the first finished samples")
+            p.send_signal(signal.SIGTERM)
+            rc = p.wait(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=60)
+        err = read_stderr(p)
+        assert rc == 0 and "Traceback" not in err, err[-3000:]
+        if "the pump thread did not stop within 0.1 s" in err:
+            assert not lineage(run) and not checkpoint_steps(run)
+            return
+    pytest.fail("the signal never found the pump thread inside a compile or device call")

@@ -98,19 +98,15 @@ def _sigterm_one_process(run_dir, target: int):
     stops at the same step boundary, saves that step once, exits 0; the audit passes."""
     import signal
 
-    from helpers import checkpoint_steps, finish_job, handles_sigterm, lineage, read_stderr, spawn_job, wait_until
-    procs = spawn_job(run_dir, *BASE, "checkpoint.every_steps=0", nproc=2, devices_per_process=2, delay="step:0.3")
-    try:
+    from helpers import checkpoint_steps, finish_job, handles_sigterm, lineage, read_stderr, running_job, wait_until
+    with running_job(run_dir, *BASE, "checkpoint.every_steps=0", nproc=2, devices_per_process=2,
+                     delay="step:0.3") as procs:
         wait_until(lambda: any(r["step"] >= 2 for r in lineage(run_dir)) or any(p.poll() is not None for p in procs),
                    timeout=240, what="step 2")
         assert all(p.poll() is None for p in procs), read_stderr(procs[0])[-3000:]
         assert handles_sigterm(procs[target].pid)
         procs[target].send_signal(signal.SIGTERM)
         codes = finish_job(procs, timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     errs = [read_stderr(p) for p in procs]
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     assert "SIGTERM: stopping at the next safe point" in errs[target]
@@ -157,3 +153,83 @@ def test_the_sigterm_handler_after_joining_a_job_is_ours(tmp_path):
                ASYNC_RL_NUM_PROCESSES="1", ASYNC_RL_PROCESS_ID="0", TF_CPP_MIN_LOG_LEVEL="0")
     r = subprocess.run([sys.executable, "-c", HANDLER], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "received SIGTERM" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+AGREE = r"""
+import jax
+from async_rl import sharding
+sharding.init_distributed()
+err = RuntimeError("reward function failed on prompt_id=7: boom\nsecond line") if jax.process_index() == 1 else None
+print("agreed", sharding.agree_or_fail([jax.process_index()], None).ravel().tolist(), flush=True)
+try:
+    sharding.agree_or_fail([2.5], err)
+    print("went on")
+except sharding.PeerFailedError as e:
+    print("peer failed:", e)
+except RuntimeError as e:
+    print("own error:", e)
+"""
+
+
+def test_a_failure_on_one_process_stops_every_process_at_the_same_agreement(tmp_path):
+    """Two processes on loopback: where one has failed, the agreement raises on both (the
+    failed one its own error, the other naming it) instead of letting one leave the
+    collectives the other waits in."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import free_port
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(os.environ, ASYNC_RL_DISTRIBUTED="1", JAX_PLATFORMS="cpu",
+                                                  JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                  ASYNC_RL_NUM_PROCESSES="2", ASYNC_RL_PROCESS_ID=str(i)))
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=60)
+    assert all("agreed [0.0, 1.0]" in o for o in outs), outs
+    assert "peer failed: process 1 of 2 failed: reward function failed on prompt_id=7: boom\n" in outs[0], outs[0]
+    assert "own error: reward function failed on prompt_id=7: boom\nsecond line" in outs[1], outs[1]
+
+
+@pytest.mark.soak  # two real jobs of two processes
+def test_a_reward_failure_on_process_1_stops_the_whole_job_and_it_resumes(tmp_path):
+    """A 2-process job whose process 1's reward thread fails after a checkpoint is committed:
+    both processes stop at the same step boundary, promptly, each with one error line (process
+    0's names process 1 and the cause), exit 1, save nothing more; the next start resumes."""
+    import time
+
+    from helpers import checkpoint_steps, finish_job, read_stderr, running_job, wait_until
+    run_dir = tmp_path
+    # one device per process: with two, this job hung twice inside XLA:CPU collectives on a
+    # loaded 2-core host, before any fault fired
+    # 2 groups of 4 samples per process and step: call 29 is a reward of step 4's groups or later
+    with running_job(run_dir, *BASE, nproc=2, devices_per_process=1, fault={1: "fail:reward:29"}) as procs:
+        wait_until(lambda: any(p.poll() is not None for p in procs), timeout=400, what="the first process's exit")
+        t_first = time.monotonic()
+        codes = finish_job(procs, timeout=120)
+        took = time.monotonic() - t_first
+    errs = [read_stderr(p) for p in procs]
+    assert codes == [1, 1], errs[0][-3000:] + errs[1][-3000:]
+    assert took < 60, took  # not a coordination-service timeout
+    lines = [[ln for ln in e.splitlines() if ln.startswith("error:")] for e in errs]
+    assert all(len(x) == 1 for x in lines) and not any("Traceback" in e for e in errs), errs[0][-3000:] + errs[1][-3000:]
+    assert "reward function failed" in lines[1][0] and "injected failure (reward call 29)" in lines[1][0], lines
+    assert "process 1 of 2 failed: reward function failed" in lines[0][0], lines
+    assert "injected failure (reward call 29)" in lines[0][0], lines
+    steps = checkpoint_steps(run_dir)
+    assert steps, errs[0][-3000:]
+    assert f"nothing saved after the last committed checkpoint (step {steps[-1]})" in lines[0][0], lines
+    with running_job(run_dir, *BASE, nproc=2, devices_per_process=1) as procs:
+        codes = finish_job(procs, timeout=400)
+    errs = [read_stderr(p) for p in procs]
+    assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert all(f"resumed step {steps[-1]}" in e for e in errs)
+    assert sorted(x["prompt_id"] for x in _rows(run_dir)) == list(range(25))
+    assert audit(run_dir)["ok"]
