@@ -21,6 +21,7 @@ OV = ["data.num_records=24", "rollout.prompts_per_step=2", "checkpoint.every_ste
       "log.wandb=true", "log.wandb_project=async_rl_test", "log.wandb_tags=ci,offline", "eval.every_steps=0"]
 
 
+@pytest.mark.soak  # two training sessions: ~50 s of CPU, 4-5 min wall on the shared 2 cores
 def test_a_killed_and_resumed_job_is_one_wandb_run_with_one_row_per_step(tmp_path, xla_cache, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
