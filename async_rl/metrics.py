@@ -116,7 +116,7 @@ class MetricsSink:
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
                  start_step: int, console=print, name: str = "metrics.jsonl", wandb=None):
         self.jsonl = JsonlLog(run_dir / name)
-        self.wandb = wandb  # a wandb_log.WandbLog: every step, skipping steps an earlier session logged
+        self.wandb = wandb  # a wandb_log.WandbLog: every step W&B does not have yet
         self.every, self.console = every, console
         self.tb = None
         if tensorboard:
@@ -132,6 +132,12 @@ class MetricsSink:
                                      transient=False, refresh_per_second=4, console=Console(stderr=True))
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, reward="-", tps="-")
             self.progress.start()
+
+    def cut(self, nbytes: int) -> None:
+        """Cuts metrics.jsonl back to the checkpoint's length; W&B gets the kept rows it lacks."""
+        self.jsonl.truncate(nbytes)
+        if self.wandb is not None:
+            self.wandb.catch_up(read_jsonl(self.jsonl.path))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time(), 3)}

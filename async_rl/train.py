@@ -298,7 +298,7 @@ class Session:
                                 start_step=start.step, console=log,
                                 name="metrics.jsonl" if self.primary else f"metrics.p{pi}.jsonl",
                                 wandb=self._wandb(cfg, parts.run_dir, log) if cfg.log.wandb and self.primary else None)
-        self.sink.jsonl.truncate(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
+        self.sink.cut(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
         self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,
                                                             on_regenerated=lambda g, s: self.logs.regenerated(s, g)),
                                     groups_per_step=parts.local_pps)

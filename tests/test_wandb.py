@@ -2,84 +2,135 @@
 history row per step. Skipped where the wandb extra is not installed."""
 
 import json
-import struct
+import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 wandb = pytest.importorskip("wandb")
 
-from helpers import kill9, read_stderr, run_cli, spawn  # noqa: E402
+from helpers import kill9, read_stderr, run_cli, spawn_job  # noqa: E402
 
-OV = ["data.num_records=24", "rollout.prompts_per_step=2", "checkpoint.every_steps=4", "checkpoint.async=false",
+from async_rl.lineage import read_jsonl  # noqa: E402
+from async_rl.wandb_log import WandbLog, history_rows  # noqa: E402
+
+OV = ["data.num_records=24", "rollout.prompts_per_step=2", "checkpoint.every_steps=6", "checkpoint.async=false",
       "log.wandb=true", "log.wandb_project=async_rl_test", "log.wandb_tags=ci,offline", "eval.every_steps=0"]
 
 
-def _records(run_file):
-    """The protobuf records of a .wandb file: wandb's transaction log (LevelDB log framing: a
-    7-byte file header, 32 KiB blocks of records with a 7-byte header each, a record split
-    over blocks as FIRST, MIDDLE..., LAST)."""
-    from wandb.proto import wandb_internal_pb2
-    data = run_file.read_bytes()
-    block, hdr = 32768, 7
-    ident, magic, version = struct.unpack("<4sHB", data[:hdr])
-    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), run_file
-    pos, parts = hdr, []
-    while pos + hdr <= len(data):
-        if block - pos % block < hdr:  # the rest of a block too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + hdr])
-        if kind == 0 and length == 0:
-            break
-        parts.append(data[pos + hdr:pos + hdr + length])
-        pos += hdr + length
-        if kind in (1, 4):  # FULL or LAST
-            rec = wandb_internal_pb2.Record()
-            rec.ParseFromString(b"".join(parts))
-            parts = []
-            yield rec
-
-
-def _history(run_file):
-    """The history rows of one offline run file (with their "_step")."""
-    rows = []
-    for rec in _records(run_file):
-        if rec.WhichOneof("record_type") == "history":
-            row = {(it.key or "/".join(it.nested_key)): json.loads(it.value_json) for it in rec.history.item}
-            if rec.history.HasField("step"):
-                row.setdefault("_step", rec.history.step.num)
-            rows.append(row)
-    return rows
-
-
-@pytest.mark.soak  # two training sessions
+@pytest.mark.soak  # two training sessions: ~50 s of CPU, 4-5 min wall on the shared 2 cores
 def test_a_killed_and_resumed_job_is_one_wandb_run_with_one_row_per_step(tmp_path, xla_cache, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    p = spawn(tmp_path, *OV, cache=xla_cache, delay="step:0.3")
-    state = tmp_path / "wandb.json"
+    ov = [*OV, f"run.compilation_cache={xla_cache}"]
+    [p] = spawn_job(tmp_path, *ov, delay="step:0.3")
+    metrics = tmp_path / "metrics.jsonl"
     end = time.monotonic() + 600
-    while time.monotonic() < end and p.poll() is None:  # past the step-4 checkpoint, before the next
-        if state.is_file() and json.loads(state.read_text())["last_step"] >= 6:
+    while time.monotonic() < end and p.poll() is None:  # past the step-6 checkpoint, before the next
+        if any(r["step"] >= 7 for r in read_jsonl(metrics)):
             break
         time.sleep(0.05)
-    first = json.loads(state.read_text())
     assert kill9(p), read_stderr(p)[-2000:]  # the kill is what ended session 1
-    assert first["last_step"] >= 6
-    r = run_cli(tmp_path, *OV, cache=xla_cache, timeout=600)
+    killed_at = max(r["step"] for r in read_jsonl(metrics))
+    assert killed_at >= 7
+    run_id = json.loads((tmp_path / "wandb.json").read_text())["id"]
+    r = run_cli(tmp_path, *ov, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"wandb: run {first['id']} (resumed" in r.stderr
-    final = json.loads((tmp_path / "final.json").read_text())
+    assert f"wandb: run {run_id} (resumed" in r.stderr
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2  # two sessions ...
     files = [f for d in runs for f in d.glob("run-*.wandb")]
-    assert {f.stem for f in files} == {f"run-{first['id']}"}  # ... of one run
-    steps = [row["_step"] for f in files for row in _history(f)]
-    assert sorted(steps) == list(range(1, final["step"] + 1))  # every step once, re-run steps not again
-    rows = [row for f in files for row in _history(f)]
+    assert [f.stem for f in files] == [f"run-{run_id}"] * 2  # ... of one run
+    first, second = ([row["_step"] for row in history_rows(f)] for f in files)
+    # session 1's log holds a prefix of its steps (wandb keeps the newest block in memory: a
+    # SIGKILL loses it); session 2 logs from the step after it, catching up from metrics.jsonl
+    assert first == list(range(1, len(first) + 1)) and len(first) <= killed_at
+    final = json.loads((tmp_path / "final.json").read_text())
+    assert first + second == list(range(1, final["step"] + 1))  # every step once
+    assert [row["step"] for row in read_jsonl(metrics)] == first + second  # as metrics.jsonl has them
+    resumed = int(re.search(r"resumed step (\d+)", r.stderr).group(1))
+    assert resumed >= 6
+    if len(first) < resumed:  # the rows up to the checkpoint came from metrics.jsonl
+        assert f"wandb: sent steps {len(first) + 1}..{resumed} from metrics.jsonl" in r.stderr
+    rows = [row for f in files for row in history_rows(f)]
     assert all("rollout/reward_mean" in row and "learner/clip_frac_high" in row for row in rows)
     # the resolved config is the run's config
     cfg_files = list(runs[-1].glob("files/config.yaml"))
     if cfg_files:
         assert "async_rl_test" in cfg_files[0].read_text()
+
+
+# a session that hands steps 1..10 to wandb and is SIGKILLed
+_KILLED_SESSION = """
+import os, signal, sys
+from pathlib import Path
+from async_rl.wandb_log import WandbLog
+w = WandbLog(Path(sys.argv[1]), {"a": 1}, project="async_rl_test")
+for s in range(1, 11):
+    w.log(s, {"x": float(s)})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_rows_a_sigkill_took_from_wandb_are_sent_again_from_metrics_jsonl(tmp_path, monkeypatch):
+    """The resumed session sends metrics.jsonl's rows (cut at checkpoint 6) after the newest
+    step wandb wrote, then the re-run steps after that: steps 1..12 once each, with their values."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    r = subprocess.run([sys.executable, "-c", _KILLED_SESSION, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    [killed] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    first = [row["_step"] for row in history_rows(killed)]
+    assert first == list(range(1, len(first) + 1)) and len(first) < 10  # a prefix; wandb kept the rest in memory
+    lines = []
+    w = WandbLog(tmp_path, {"a": 1}, project="async_rl_test", log=lines.append)
+    assert w.logged == (first[-1] if first else -1)
+    w.catch_up([{"step": s, "time": 0.0, "x": float(s)} for s in range(1, 7)])
+    for s in range(5, 13):  # the steps after the checkpoint, run again
+        w.log(s, {"x": float(s)})
+    w.close()
+    files = sorted(f for f in tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and len({f.name for f in files}) == 1
+    rows = [row for f in files for row in history_rows(f)]
+    assert [row["_step"] for row in rows] == list(range(1, 13))
+    assert all(row["x"] == row["_step"] for row in rows)
+    if len(first) < 6:
+        assert f"wandb: sent steps {len(first) + 1}..6 from metrics.jsonl (written before the last stop, " \
+               "missing from W&B)" in lines
+
+
+def test_a_transaction_log_cut_anywhere_reads_as_a_prefix_of_its_rows(tmp_path, monkeypatch):
+    """What a SIGKILL leaves of wandb's transaction log (any byte length, or a bad checksum)
+    reads as its first rows, never a later one: a resumed session then logs from the next."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = WandbLog(tmp_path, {"a": 1}, project="async_rl_test", log=lambda m: None)
+    n = 60
+    for s in range(1, n + 1):  # ~1.5 KiB rows: records cross the 32 KiB blocks
+        run.log(s, {f"learner/m{k:03d}": s + k / 1000 for k in range(64)})
+    run.close()  # returns once the log is written through its end
+    [f] = tmp_path.glob(f"wandb/offline-run-*/run-{run.run.id}.wandb")
+    data = f.read_bytes()
+    assert len(data) > 2 * 32768
+    assert [r["_step"] for r in history_rows(f)] == list(range(1, n + 1))
+    assert all(r["learner/m005"] == r["_step"] + 0.005 for r in history_rows(f))
+    cut = tmp_path / "cut.wandb"
+    seen = 0
+    for size in range(7, len(data), 1531):
+        cut.write_bytes(data[:size])
+        steps = [r["_step"] for r in history_rows(cut)]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) >= seen, size
+        seen = len(steps)
+    assert 0 < seen < n
+    bad = bytearray(data)
+    bad[len(data) // 2] ^= 0xFF  # a flipped byte: the chunk fails its checksum, reading stops there
+    cut.write_bytes(bytes(bad))
+    steps = [r["_step"] for r in history_rows(cut)]
+    assert steps == list(range(1, len(steps) + 1)) and 0 < len(steps) < n
+    cut.write_bytes(b"not a log")
+    with pytest.raises(ValueError, match="not a wandb transaction log"):
+        history_rows(cut)
