@@ -39,9 +39,9 @@ from async_rl.sharding import is_var as _is_var
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Prefix:
-    """Prefilled sequences (B rows), each inserted into a slot on its own. The cache holds
-    engine columns [col0, col0 + W) only: a prompt bucket and a completion bucket, not P + N."""
+class PrefixArrays:
+    """Prefilled sequences (B rows) on device, each inserted into a slot on its own. The cache
+    holds engine columns [col0, col0 + W) only: a prompt bucket and a completion bucket, not P + N."""
     cache: KVCache  # k/v [n_layers, B, Hkv, W, hd]
     logits_BxV: jax.Array  # fp32 next-token logits per row, taken at its last valid column
     starts_B: jax.Array  # int32: first valid column per row (P - prompt length)
@@ -51,7 +51,8 @@ class Prefix:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DecodeState:
+class DecodeArrays:
+    """Every slot's device state: what the compiled insert, generate and free take and donate."""
     cache: KVCache  # k/v [n_layers, S, Hkv, T, hd]
     logits_SxV: jax.Array  # fp32 next-token logits per slot
     cols_S: jax.Array  # int32: column of the token the next `generate` samples
@@ -59,6 +60,42 @@ class DecodeState:
     ordinals_S: jax.Array  # int32: stream ordinal of the slot's prompt (sampling key)
     samples_S: jax.Array  # int32: sample index within the prompt's group (sampling key)
     active_S: jax.Array  # bool: inactive slots compute garbage and do not advance
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotMirror:
+    """The host's copy of every slot's column and activity, kept by the engine's own calls so
+    that choosing a decode window costs no device sync."""
+    cols_S: np.ndarray  # int64: column of the token the next `generate` samples
+    active_S: np.ndarray  # bool
+
+    def copy(self) -> SlotMirror:
+        return SlotMirror(self.cols_S.copy(), self.active_S.copy())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The slots between engine calls: device arrays and their host mirror, always together.
+    Deliberately not a pytree: a tree map or `jax.block_until_ready` treats it as one leaf, so
+    no transformation can hand the engine arrays whose mirror was dropped (the decode window
+    would silently widen to P + N)."""
+    arrays: DecodeArrays
+    host: SlotMirror
+
+    def block_until_ready(self) -> DecodeState:
+        jax.block_until_ready(self.arrays)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """Prefilled rows (`prefill_many`) and, on the host, the column each row's next token goes to."""
+    arrays: PrefixArrays
+    next_cols_B: np.ndarray  # int32
+
+    def block_until_ready(self) -> Prefix:
+        jax.block_until_ready(self.arrays)
+        return self
 
 
 def token_key(seed: int, ordinal, sample, n) -> jax.Array:
@@ -124,16 +161,10 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
     return next(b for b in sizes if b >= n)
 
 
-def _host(st):
-    """(columns, active) of every slot as the host mirrors them (copies), or None when this
-    state did not come from the engine's own methods (then decode reads every column)."""
-    cols = getattr(st, "host_cols", None)
-    return None if cols is None else (cols.copy(), st.host_active.copy())
-
-
-def _track(st, cols, active):
-    st.host_cols, st.host_active = cols, active
-    return st
+def _checked(state, cls):
+    if not isinstance(state, cls):
+        raise TypeError(f"expected the engine's {cls.__name__}, got {type(state).__name__}")
+    return state
 
 
 def _devices_of(params) -> set:
@@ -201,10 +232,10 @@ class Engine:
             cache_sh = NamedSharding(self.mesh, PS(None, data, heads, None, None))
         prefix_cache = NamedSharding(self.mesh, PS(None, None, heads, None, None))
         self._replicated = rep
-        self._state_sharding = DecodeState(
+        self._state_sharding = DecodeArrays(
             cache={"k": cache_sh, "v": cache_sh}, logits_SxV=per_slot, cols_S=per_slot,
             starts_S=per_slot, ordinals_S=per_slot, samples_S=per_slot, active_S=per_slot)
-        self._prefix_sharding = Prefix(cache={"k": prefix_cache, "v": prefix_cache}, logits_BxV=rep, starts_B=rep,
+        self._prefix_sharding = PrefixArrays(cache={"k": prefix_cache, "v": prefix_cache}, logits_BxV=rep, starts_B=rep,
                                        next_cols_B=rep, col0=rep)
         st, pre = self._state_sharding, self._prefix_sharding
         self._publishers: dict = {}
@@ -324,7 +355,7 @@ class Engine:
     # ---- API -----------------------------------------------------------------------
     def init_decode_state(self) -> DecodeState:
         s = self.max_concurrent_decodes
-        return _track(self._init(), np.zeros(s, np.int64), np.zeros(s, bool))
+        return DecodeState(self._init(), SlotMirror(np.zeros(s, np.int64), np.zeros(s, bool)))
 
     def prefill(self, params, prompt_tokens: np.ndarray, completion: np.ndarray | None = None) -> Prefix:
         """Prefills one sequence: the prompt and an optional completion prefix of k < N
@@ -353,9 +384,7 @@ class Engine:
             tokens[i, pb:pb + done.size] = done
             positions[i], valid[i] = pos[c0:c0 + w], ok[c0:c0 + w]
             next_cols[i] = p + done.size
-        prefix = self._prefill(params, tokens, positions, valid, next_cols, np.int32(c0))
-        prefix.host_next_cols = next_cols  # type: ignore[attr-defined]  (for the decode window)
-        return prefix
+        return Prefix(self._prefill(params, tokens, positions, valid, next_cols, np.int32(c0)), next_cols)
 
     def _check_seq(self, prompt_tokens, completion):
         prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
@@ -382,46 +411,40 @@ class Engine:
         n = len(todo)
         arr = np.zeros((4, 1 << (n - 1).bit_length()), np.int32)  # padded to a power of two: few shapes
         arr[:, :n] = np.asarray(todo, np.int32).T
-        host = _host(decode_state)
-        st = self._insert(prefix, decode_state, *arr, np.int32(n))
-        nxt = getattr(prefix, "host_next_cols", None)
-        if host is None or nxt is None:
-            return st
+        prefix, decode_state = _checked(prefix, Prefix), _checked(decode_state, DecodeState)
+        host = decode_state.host.copy()
+        st = self._insert(prefix.arrays, decode_state.arrays, *arr, np.int32(n))
         for slot, row, _, _ in todo:
-            host[0][slot], host[1][slot] = nxt[row], True
-        return _track(st, *host)
+            host.cols_S[slot], host.active_S[slot] = prefix.next_cols_B[row], True
+        return DecodeState(st, host)
 
     def decode_window(self, decode_state: DecodeState, steps: int = 1) -> int:
         """Cache columns the next `steps` decode steps read: the smallest of `self.windows`
         holding every active slot's columns (the engine mirrors each slot's column on the
         host, so the choice costs no device sync). Inactive slots compute garbage anyway."""
-        host = _host(decode_state)
-        if host is None or len(self.windows) == 1:
+        host = _checked(decode_state, DecodeState).host
+        if len(self.windows) == 1:
             return self.width
-        cols, active = host
+        cols, active = host.cols_S, host.active_S
         need = int(cols[active].max()) + steps if active.any() else 1
         return bucket(min(need, self.width), self.windows)
 
     def last_forward(self, decode_state: DecodeState, steps: int) -> bool:
         """Whether the forward pass after the last of `steps` tokens has a use: it computes
         the logits of each slot's next column, which no slot samples once every active one
-        holds its last column (P + N - 1) by then. Without a host mirror: always."""
-        host = _host(decode_state)
-        if host is None:
-            return True
-        cols, active = host
+        holds its last column (P + N - 1) by then."""
+        host = _checked(decode_state, DecodeState).host
+        cols, active = host.cols_S, host.active_S
         return bool((cols[active] + steps < self.width).any())
 
     def _dispatch(self, params, decode_state: DecodeState, steps: int):
         """Dispatches `steps` decode steps (asynchronously); tokens and logprobs [steps, S] stay
         on device."""
-        host = _host(decode_state)
         fn = self._decoder(self.decode_window(decode_state, steps), steps > 1, self.last_forward(decode_state, steps))
-        state, tokens, logprobs = fn(params, decode_state)
-        if host is not None:
-            host[0][host[1]] += steps
-            state = _track(state, *host)
-        return state, tokens, logprobs
+        host = decode_state.host.copy()
+        state, tokens, logprobs = fn(params, decode_state.arrays)
+        host.cols_S[host.active_S] += steps
+        return DecodeState(state, host), tokens, logprobs
 
     def _decode(self, params, decode_state: DecodeState, steps: int):
         state, tokens, logprobs = self._dispatch(params, decode_state, steps)
@@ -451,10 +474,9 @@ class Engine:
             x.copy_to_host_async()
         return state, tokens_KxS, logprobs_KxS
 
-    def active_slots(self, decode_state: DecodeState) -> np.ndarray | None:
-        """The slots the host mirror holds active (bool [S]), or None without a mirror."""
-        host = _host(decode_state)
-        return None if host is None else host[1]
+    def active_slots(self, decode_state: DecodeState) -> np.ndarray:
+        """The slots the host mirror holds active (bool [S], a copy)."""
+        return _checked(decode_state, DecodeState).host.active_S.copy()
 
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self.free_many(decode_state, [slot])
@@ -465,12 +487,10 @@ class Engine:
         mask_S[list(slots)] = True
         if not mask_S.any():
             return decode_state
-        host = _host(decode_state)
-        st = self._free(decode_state, mask_S)
-        if host is None:
-            return st
-        host[1][mask_S] = False
-        return _track(st, *host)
+        host = _checked(decode_state, DecodeState).host.copy()
+        st = self._free(decode_state.arrays, mask_S)
+        host.active_S[mask_S] = False
+        return DecodeState(st, host)
 
     def compile_counts(self) -> dict[str, int]:
         """Compiled executables per entry point: prefill and insert one per bucket shape,
@@ -482,23 +502,23 @@ class Engine:
         return {k: out[k] for k in ("prefill", "insert", "generate", "free")}
 
     # ---- jitted bodies ---------------------------------------------------------------
-    def _init_impl(self) -> DecodeState:
+    def _init_impl(self) -> DecodeArrays:
         s = self.max_concurrent_decodes
         zeros = jnp.zeros((s,), jnp.int32)
-        return DecodeState(cache=init_cache(self.model_cfg, s, self.width, layers=self.per_layer),
+        return DecodeArrays(cache=init_cache(self.model_cfg, s, self.width, layers=self.per_layer),
                            logits_SxV=jnp.zeros((s, self.vocab_size), jnp.float32), cols_S=zeros,
                            starts_S=zeros, ordinals_S=zeros, samples_S=zeros,
                            active_S=jnp.zeros((s,), bool))
 
-    def _prefill_impl(self, params, tokens_BxW, positions_BxW, valid_BxW, next_cols_B, col0) -> Prefix:
+    def _prefill_impl(self, params, tokens_BxW, positions_BxW, valid_BxW, next_cols_B, col0) -> PrefixArrays:
         model = nnx.merge(self.graphdef, params)
         logits_BxV, cache = model.prefill_at(tokens_BxW, positions_BxW, valid_BxW, next_cols_B - 1 - col0,
                                              attn=self.attn, col_offset=col0)
         starts_B = col0 + jnp.argmax(valid_BxW, axis=1).astype(jnp.int32)
-        return Prefix(cache=cache, logits_BxV=logits_BxV, starts_B=starts_B, next_cols_B=next_cols_B, col0=col0)
+        return PrefixArrays(cache=cache, logits_BxV=logits_BxV, starts_B=starts_B, next_cols_B=next_cols_B, col0=col0)
 
-    def _insert_impl(self, prefix: Prefix, st: DecodeState, slots_B, rows_B, ordinals_B, samples_B,
-                     n) -> DecodeState:
+    def _insert_impl(self, prefix: PrefixArrays, st: DecodeArrays, slots_B, rows_B, ordinals_B, samples_B,
+                     n) -> DecodeArrays:
         def one(i, st):
             slot, row = slots_B[i], rows_B[i]
 
@@ -509,7 +529,7 @@ class Engine:
             rows = prefix.cache  # stacked [L, B, ...]; split per layer for a per-layer cache
             if self.per_layer:
                 rows = {n: tuple(rows[n][i] for i in range(self.model_cfg.n_layers)) for n in ("k", "v")}
-            return DecodeState(cache=jax.tree.map(put, st.cache, rows),
+            return DecodeArrays(cache=jax.tree.map(put, st.cache, rows),
                                logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
                                cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
                                starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),
@@ -518,7 +538,7 @@ class Engine:
                                active_S=st.active_S.at[slot].set(True))
         return jax.lax.fori_loop(0, n, one, st)  # in place in the donated state, one row at a time
 
-    def _generate_impl(self, params, st: DecodeState, window: int, last_forward: bool = True,
+    def _generate_impl(self, params, st: DecodeArrays, window: int, last_forward: bool = True,
                        recent: Recent | None = None):
         """Samples every slot's token, then (`last_forward`) runs it through the model for the
         next column's logits and writes its k/v (into `recent` in a multi-step call); without,
@@ -538,11 +558,11 @@ class Engine:
             return dataclasses.replace(new, logits_SxV=logits_SxV), written, tokens_S, logprobs_S
         return dataclasses.replace(new, cache=written, logits_SxV=logits_SxV), None, tokens_S, logprobs_S
 
-    def _generate_one_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
+    def _generate_one_impl(self, params, st: DecodeArrays, window: int, last_forward: bool = True):
         st, _, tokens_S, logprobs_S = self._generate_impl(params, st, window, last_forward)
         return st, tokens_S[None], logprobs_S[None]
 
-    def _generate_steps_impl(self, params, st: DecodeState, window: int, last_forward: bool = True):
+    def _generate_steps_impl(self, params, st: DecodeArrays, window: int, last_forward: bool = True):
         """K steps; with `self.recent` over a read-only cache, each step's new k/v going to a
         K-column `Recent` block written into the cache once at the end (`model.Recent`)."""
         recent = None
@@ -563,5 +583,5 @@ class Engine:
             st = dataclasses.replace(st, cache=write_recent(st.cache, recent))
         return st, jnp.concatenate([tokens_KxS, tok_S[None]]), jnp.concatenate([logprobs_KxS, lp_S[None]])
 
-    def _free_impl(self, st: DecodeState, free_S) -> DecodeState:
+    def _free_impl(self, st: DecodeArrays, free_S) -> DecodeArrays:
         return dataclasses.replace(st, active_S=st.active_S & ~free_S)

@@ -22,6 +22,7 @@ from . import data as data_mod
 from . import rewards
 from .decoding import generate_all
 from .engine import Engine
+from .tokenizer import completion_text
 
 # Synthetic eval prompt ids start here: far above any training id (0 .. num_records-1).
 SYNTHETIC_EVAL_BASE = 1 << 40
@@ -86,21 +87,29 @@ class Evaluator:
         """`eval/*` metrics of `params` (any layout: they are put on the engine's devices)."""
         if not self.set.prompts:
             return {}
+        return self.summarise(*self.score(params))
+
+    def score(self, params) -> tuple[np.ndarray, np.ndarray]:
+        """(reward, completion tokens) of every sample, each [prompts, samples]."""
         # sampling keys come from (seed, ordinal, sample, position): give eval prompts ordinals of
         # their own, far from the training stream's
         ordinals = [EVAL_ORDINAL_BASE + i for i in range(len(self.set.prompts))]
         comps = generate_all(self.engine, self.engine.load_params(params), self.set.prompts, samples=self.k,
                              eos_id=self._stops, ordinals=ordinals)
         scores = np.array([[self._score(c.tokens, ans) for c in per] for per, ans in zip(comps, self.set.answers)])
+        return scores, np.array([[len(c.tokens) for c in per] for per in comps])
+
+    def summarise(self, scores: np.ndarray, n_tokens: np.ndarray) -> dict[str, float]:
+        """`eval/*` metrics of some prompts' rows of `score`'s result."""
         correct = scores >= self.cfg.eval.correct_threshold
         out = {"eval/reward_mean": float(scores.mean()), "eval/accuracy": float(correct.mean()),
-               "eval/completion_tokens": float(np.mean([len(c.tokens) for per in comps for c in per]))}
+               "eval/completion_tokens": float(n_tokens.mean())}
         if self.k > 1:
             out[f"eval/pass@{self.k}"] = float(correct.any(axis=1).mean())
         return out
 
     def _score(self, tokens: np.ndarray, answer: str) -> float:
-        return float(self.reward_fn(self.tok.decode([t for t in tokens.tolist() if t not in self._stops]), answer))
+        return float(self.reward_fn(completion_text(self.tok, tokens.tolist()), answer))
 
 
 def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None) -> Evaluator | None:
@@ -114,6 +123,13 @@ def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] 
              warn=print) -> tuple[int, dict, str]:
     """`async-rl eval`: (step, metrics, description) of a saved step of a run (by default the
     newest that verifies), read-only."""
+    step, ev, params = open_eval(run_dir, step, overrides, warn)
+    return step, ev(params), ev.describe()
+
+
+def open_eval(run_dir: str | Path, step: int | None = None, overrides: list[str] = (),
+              warn=print) -> tuple[int, Evaluator, object]:
+    """(step, evaluator, parameters) of a saved step of a run, as `eval_run` scores it."""
     from flax import nnx
 
     from .model import Transformer
@@ -124,5 +140,4 @@ def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] 
     step, params = read_params(dataclasses.replace(run, cfg=cfg), step, warn=warn)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0),
                                                               n_tokens=tok.vocab_size)), nnx.Param)[0]
-    ev = make_evaluator(cfg, graphdef, vocab, tok)
-    return step, ev(params), ev.describe()
+    return step, make_evaluator(cfg, graphdef, vocab, tok), params

@@ -24,6 +24,7 @@ from . import faults, signals
 from .decoding import chunk_ends
 from .ledger import Group, Ledger, Sample, State
 from .rewards import as_real
+from .tokenizer import completion_text
 
 
 @dataclass
@@ -212,8 +213,6 @@ class Pump:
         """Frees engine slots whose sample ended and that nothing refilled: the decode window
         follows the active slots' columns, and a finished slot would still count."""
         active = self.engine.active_slots(self.decode_state)
-        if active is None:
-            return
         idle = [slot for slot in np.flatnonzero(active) if live[slot] is None]
         if idle:
             self.decode_state = self.engine.free_many(self.decode_state, idle)
@@ -438,7 +437,7 @@ class Pump:
         """Rewards outside the lock (user reward code may be slow), then marks READY groups."""
         scores = []
         for g, s in finished:
-            text = self.tok.decode([t for t in s.tokens if t not in self._stops])
+            text = completion_text(self.tok, s.tokens)
             self._in_reward = (time.monotonic(), g)
             try:
                 faults.fail("reward")

@@ -46,8 +46,13 @@ def _positional(out: str, target: str) -> float:
 
 @register_reward("reverse")
 def reverse_reward(completion: str, answer: str) -> float:
-    """Fraction of positions right, counted from the left; extra or missing characters cost."""
-    return _positional(completion.strip(), answer.strip())
+    """Fraction of positions right, counted from the left; extra or missing characters cost,
+    and a missing one half a position more than a wrong one (at floor 0). Were stopping short
+    as good as guessing, a policy not yet telling two prompt lengths apart would learn to stop
+    after the shorter one's answer, and the longer prompts would never be answered in full."""
+    out, target = completion.strip(), answer.strip()
+    missing = max(0, len(target) - len(out))
+    return max(0.0, _positional(out, target) - 0.5 * missing / max(len(target), 1))
 
 
 @register_reward("addition")

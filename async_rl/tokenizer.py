@@ -37,6 +37,30 @@ class Tokenizer(Protocol):
     def encode_prompt(self, prompt: str) -> np.ndarray: ...
 
 
+# What a padding or BOS token inside a completion reads as to a reward.
+UNREADABLE = "\ufffd"
+
+
+def completion_text(tok, tokens: Sequence[int]) -> str:
+    """The text a reward scores: the completion before its stop token, with every padding or
+    BOS token in it read as U+FFFD. Decoding drops those ids, so left invisible they would let
+    a policy fill the rest of its token budget with them instead of stopping, and be scored
+    as if it had stopped."""
+    stops = set(getattr(tok, "stop_ids", (tok.eos_id,)))
+    specials = {getattr(tok, "pad_id", None), getattr(tok, "bos_id", None)} - stops - {None}
+    parts: list[str] = []
+    run: list[int] = []
+    for t in (int(t) for t in tokens):
+        if t in stops:
+            break
+        if t in specials:
+            parts += [tok.decode(run), UNREADABLE]
+            run = []
+        else:
+            run.append(t)
+    return "".join(parts) + tok.decode(run)
+
+
 def _render(template: str, prompt: str) -> str:
     # str.format would choke on braces inside the template or the prompt (JSON, LaTeX).
     return template.replace("{prompt}", prompt)

@@ -87,7 +87,7 @@ class Engine:
         return decode_state
 
     def active_slots(self, state):
-        return None  # no host mirror of slot columns: nothing to free
+        return np.zeros(self.max_concurrent_decodes, bool)  # tracks no slot: nothing to free
 
     def generate_steps_async(self, params, decode_state):
         ready = self.device.submit(self.chunk_s)

@@ -113,7 +113,7 @@ def test_sharded_slots_over_all_devices_match_one_device(model, prompts):
     assert len(jax.devices()) == 4
     one = make_engine(graphdef, temperature=1.0)
     many = make_engine(graphdef, temperature=1.0, devices=None)
-    k0 = jax.tree.leaves(many.init_decode_state().cache["k"])[0]  # [S, ...] per layer, or [L, S, ...]
+    k0 = jax.tree.leaves(many.init_decode_state().arrays.cache["k"])[0]  # [S, ...] per layer, or [L, S, ...]
     assert k0.sharding.spec[0 if many.per_layer else 1] == "data"
     a = generate_all(one, one.load_params(params), prompts, samples=2, eos_id=EOS)
     b = generate_all(many, many.load_params(params), prompts, samples=2, eos_id=EOS)

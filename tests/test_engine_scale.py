@@ -2,6 +2,8 @@
 weights and KV cache in the compute dtype, tensor-parallel generation equal to one device,
 decode windows over live columns, batched prefill."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,7 +86,7 @@ def test_tensor_parallel_generates_what_one_device_does(model, tensor, per_layer
     assert dict(tp.mesh.shape) == {"data": 4 // tensor, "tensor": tensor}
     p = tp.load_params(params)
     assert p["layers"]["attn"]["q"]["kernel"].sharding.spec[-1] == "tensor"
-    k0 = jax.tree.leaves(tp.init_decode_state().cache["k"])[0]  # [S, Hkv, T, hd] per layer, or [L, S, Hkv, T, hd]
+    k0 = jax.tree.leaves(tp.init_decode_state().arrays.cache["k"])[0]  # [S, Hkv, T, hd] per layer, or [L, S, Hkv, T, hd]
     assert k0.sharding.spec[1 if per_layer else 2] == "tensor"
     a = generate_all(one, one.load_params(params), ps, samples=2, eos_id=EOS)
     b = generate_all(tp, p, ps, samples=2, eos_id=EOS)
@@ -117,7 +119,7 @@ def test_weights_and_cache_in_the_compute_dtype():
     assert p["layers"]["mlp"]["up"]["kernel"].dtype == jnp.bfloat16
     assert p["embed"]["embedding"].dtype == jnp.bfloat16
     assert p["final_norm"]["scale"].dtype == jnp.float32  # read in fp32 by the model
-    assert {x.dtype for x in jax.tree.leaves(eng.init_decode_state().cache)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(eng.init_decode_state().arrays.cache)} == {jnp.dtype(jnp.bfloat16)}
     # fresh buffers: a donating learner may free what it passed in
     assert p["embed"]["embedding"].unsafe_buffer_pointer() != params["embed"]["embedding"].unsafe_buffer_pointer()
     eng.update_params(p, version=1)
@@ -166,6 +168,28 @@ def test_decode_windows_match_full_width(model, steps, layout):
     assert win.compile_counts()["generate"] == 3
 
 
+def test_decode_window_survives_tree_transformations(model):
+    """The slots' host mirror travels with their device arrays: a tree map, a block or a
+    `dataclasses.replace` of the state keeps the narrow window (a mirror set beside the pytree
+    was dropped by each, and decode silently read all P + N columns), and the engine refuses
+    bare device arrays rather than guess their columns."""
+    graphdef, params = model
+    eng = long_engine(graphdef)
+    p = eng.load_params(params)
+    prefix = eng.prefill(p, prompts(1, seed=3)[0])
+    moves = [lambda st: jax.tree.map(lambda x: x, st), jax.block_until_ready,
+             lambda st: dataclasses.replace(st, arrays=jax.tree.map(jnp.copy, st.arrays))]
+    for move in moves:  # each on a state of its own: generate donates the arrays it is given
+        st = move(eng.insert(prefix, eng.init_decode_state(), 0, ordinal=0, sample=0))
+        assert eng.decode_window(st) == 16
+        st, _, _ = eng.generate(p, st)
+        assert eng.decode_window(st) == 16 and eng.active_slots(st).tolist() == [True, False, False, False]
+    assert eng.compile_counts()["generate"] == 1  # only the 16-column decode ever ran
+    for call in (eng.decode_window, eng.active_slots, lambda a: eng.generate(p, a), lambda a: eng.free(a, 0)):
+        with pytest.raises(TypeError, match="DecodeState"):
+            call(st.arrays)
+
+
 def test_batched_prefill_matches_one_at_a_time(model):
     graphdef, params = model
     eng = make_engine(CFG, graphdef, temperature=1.0, devices=jax.devices())
@@ -189,4 +213,4 @@ def test_batched_prefill_matches_one_at_a_time(model):
     (ta, la), (tb, lb) = results
     np.testing.assert_array_equal(ta, tb)
     np.testing.assert_allclose(la, lb, atol=1e-5, rtol=0)
-    assert eng.prefill_many(p, seqs[:3]).cache["k"].shape[1:4:2] == (4, P + N - 1)  # bucketed rows, columns
+    assert eng.prefill_many(p, seqs[:3]).arrays.cache["k"].shape[1:4:2] == (4, P + N - 1)  # bucketed rows, columns

@@ -136,7 +136,7 @@ class ChunkEngine:
         return state
 
     def active_slots(self, state):
-        return None  # no host mirror of slot columns: nothing to free
+        return np.zeros(self.max_concurrent_decodes, bool)  # tracks no slot: nothing to free
 
     def generate_steps_async(self, params, state):
         time.sleep(0.01)

@@ -17,7 +17,8 @@ from async_rl.rewards import extract_answer, get_reward, registered, reward_for_
     ("4321", "4321", 1.0),
     (" 4321\n", "4321", 1.0),
     ("4320", "4321", 0.75),
-    ("43", "4321", 0.5),
+    ("43", "4321", 0.5 - 0.5 * 2 / 4),  # a missing character costs more than a wrong one
+    ("4390", "4321", 0.5),
     ("432100", "4321", 4 / 6),
     ("", "4321", 0.0),
     ("1234", "4321", 0.0),

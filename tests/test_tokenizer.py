@@ -7,7 +7,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from async_rl.config import ConfigError, TokenizerConfig
-from async_rl.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from async_rl.rewards import reverse_reward
+from async_rl.tokenizer import UNREADABLE, ByteTokenizer, CharTokenizer, HFTokenizer, build_tokenizer, completion_text
 
 CORPUS = ["12345=54321", "what is 2+2? the answer is 4", "hello world", "héllo wörld ünïcode"] * 20
 
@@ -50,6 +51,18 @@ def test_byte_specials_and_prompt():
     # specials and ids past the vocabulary carry no text; broken UTF-8 is replaced
     assert tok.decode([257, 104, 105, 258, 256, 999]) == "hi"
     assert tok.decode([0xC3]) == "\ufffd"
+
+
+@pytest.mark.parametrize("tok", [CharTokenizer(), ByteTokenizer()])
+def test_completion_text_ends_at_the_stop_and_shows_padding(tok):
+    """A completion that fills its budget with padding instead of stopping is not scored as
+    the stopped one (decoding alone drops those ids)."""
+    digits = tok.encode("28042")
+    assert completion_text(tok, digits + [tok.eos_id] + tok.encode("9")) == "28042"
+    padded = completion_text(tok, digits + [tok.pad_id, tok.bos_id, tok.pad_id])
+    assert padded == "28042" + UNREADABLE * 3 and tok.decode(digits + [tok.pad_id] * 3) == "28042"
+    assert reverse_reward(padded, "28042") == pytest.approx(5 / 8) and reverse_reward("28042", "28042") == 1.0
+    assert completion_text(tok, [tok.pad_id] + digits) == UNREADABLE + "28042"
 
 
 def test_template_with_braces_is_literal():
