@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm
+.PHONY: venv train test lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm soak-vllm
 
 venv: $(STAMP)
 
@@ -69,6 +69,10 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m "not soak" tests/test_vllm.py
+
+# SIGKILLs of training runs generating with vLLM (each restart starts vLLM: minutes)
+soak-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -s -p no:xdist -m soak tests/test_vllm_crash.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
