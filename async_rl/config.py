@@ -164,6 +164,10 @@ class EngineConfig:
     top_p: float = 1.0  # nucleus mass kept; 1 = off
     steps_per_call: int = 8  # decode steps per engine call (one dispatch and host sync per K tokens)
     prefill_rows: int = 32  # sequences per batched prefill call (deterministic runs: 1), rows
+    backend: str = "builtin"  # builtin | vllm (in-process vLLM on model.hf_path; the [vllm] extra)
+    gpu_memory_utilization: float = 0.45  # vllm on GPU: fraction of GPU memory vLLM takes (JAX gets the rest)
+    vllm_cpu_kv_cache_gib: int = 1  # vllm on CPU: KV-cache space, GiB
+    vllm_enforce_eager: bool = False  # vllm: no torch.compile/graph capture (faster start, slower steps)
 
     def __post_init__(self):
         _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes",
@@ -175,6 +179,11 @@ class EngineConfig:
         _check(0 < self.top_p <= 1, "engine.top_p", self.top_p, "must be in (0, 1]")
         _check(self.steps_per_call >= 1, "engine.steps_per_call", self.steps_per_call, "must be >= 1")
         _check(self.prefill_rows >= 1, "engine.prefill_rows", self.prefill_rows, "must be >= 1")
+        _one_of("engine.backend", self.backend, ("builtin", "vllm"))
+        _check(0 < self.gpu_memory_utilization < 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
+               "must be in (0, 1)")
+        _check(self.vllm_cpu_kv_cache_gib >= 1, "engine.vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib,
+               "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -375,6 +384,13 @@ class Config:
                 _check(getattr(self.model, k) > 0, f"model.{k}", getattr(self.model, k),
                        "required (no default) unless model.hf_path names a checkpoint")
         s = self.sampler
+        if self.engine.backend == "vllm":
+            _check(not self.run.determinism, "run.determinism", True,
+                   "needs engine.backend=builtin (vLLM is not bit-identical across kills)")
+            _check(bool(self.model.hf_path), "model.hf_path", self.model.hf_path,
+                   "required for engine.backend=vllm (vLLM loads the Hugging Face directory)")
+            _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor,
+                   "engine.backend=vllm runs on one device here")
         if s.name == "in_order":
             _check(s.max_staleness is None, "sampler.max_staleness", s.max_staleness,
                    "applies to fifo/windowed; in_order bounds staleness with sampler.max_lookahead")

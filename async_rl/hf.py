@@ -409,6 +409,16 @@ def _write_file(file: Path, items: list[tuple[str, Any, bool, np.dtype]]) -> Non
             f.write(memoryview(host.reshape(-1).view(np.uint8)))
 
 
+def hf_arrays(params):
+    """(HF name, host array in the HF layout) for every tensor of `params`, one at a time
+    (e.g. to load the weights into another engine without writing files)."""
+    for ours, leaf in _flat(params)[0]:
+        leaf = leaf.get_value() if _is_var(leaf) else leaf
+        for name, _, layer, transposed in hf_tensors(ours, tuple(leaf.shape)):
+            host = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+            yield name, host.T if transposed else host
+
+
 def save_hf(params, model_cfg: ModelConfig, vocab_size: int, out_dir: str | Path, *, dtype: str | None = None,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, base_config: dict | None = None,
             extra_config: dict | None = None) -> Path:

@@ -76,16 +76,18 @@ class Rates:
     _tokens: int = 0
     _wait: float = 0.0
     _idle: float = 0.0
+    _swap: float = 0.0
 
     def take(self, stats, learner_idle: float | None) -> dict:
         now = time.perf_counter()
         dt = max(now - self._t, 1e-9)
         out = {"perf/step_time_s": dt, "perf/tokens_per_s": (stats.tokens - self._tokens) / dt,
                "perf/learner_wait_s": self.wait_s - self._wait, "perf/pump_idle_frac": (stats.idle_s - self._idle) / dt,
-               "rollout/generated_tokens": stats.tokens}
+               "rollout/generated_tokens": stats.tokens, "perf/swap_s": stats.swap_s - self._swap}
         if learner_idle is not None:
             out["perf/learner_idle_frac"] = learner_idle
         self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
+        self._swap = stats.swap_s
         return out
 
 

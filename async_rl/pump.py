@@ -24,6 +24,7 @@ from . import faults, signals
 from .decoding import chunk_ends
 from .ledger import Group, Ledger, Sample, State
 from .rewards import as_real
+from .rollout import BuiltinRollout, Rollout, Start
 from .tokenizer import completion_text
 
 
@@ -34,11 +35,12 @@ class PumpStats:
     tokens: int = 0  # tokens generated (kept in the ledger)
     prefills: int = 0  # sequences prefilled
     swaps: int = 0
+    swap_s: float = 0.0  # time loading published weights into the rollout backend
     calls: int = 0  # engine generate calls
 
 
 class Pump:
-    def __init__(self, *, ledger: Ledger, sampler, engine, iterator, tokenizer, reward_fn,
+    def __init__(self, *, ledger: Ledger, sampler, engine: Rollout | object, iterator, tokenizer, reward_fn,
                  max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
                  journal=None, prefill_rows: int = 32, reward_timeout_s: float = 60.0):
         self.ledger, self.sampler, self.engine = ledger, sampler, engine
@@ -46,10 +48,13 @@ class Pump:
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
         self.N, self.partial, self.deterministic = max_new_tokens, partial, deterministic
         self.log = log
-        self.prefill_rows = prefill_rows  # sequences per batched prefill call
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
-        self.decode_state = engine.init_decode_state()
-        self.slots: list[tuple[Group, int] | None] = [None] * engine.max_concurrent_decodes
+        # the backend that generates: a `Rollout`, or the built-in engine behind its adapter
+        self.rollout: Rollout = engine if isinstance(engine, Rollout) else BuiltinRollout(
+            engine, params, version, deterministic=deterministic, prefill_rows=prefill_rows)
+        self.slots: list[tuple[Group, int] | None] = [None] * self.rollout.capacity
+        if deterministic and not isinstance(self.rollout, BuiltinRollout):
+            raise ValueError("run.determinism: only the built-in engine is deterministic")
         self.published: dict[int, object] = {version: params}
         # leaves of published versions not yet seen computed (flattened once, at publication:
         # the pump asks at every wake-up, and flattening the tree cost more than the check)
@@ -61,7 +66,7 @@ class Pump:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
-        self._prefixes: dict[int, tuple] = {}  # ordinal -> (version, prefill, row) shared by its samples
+        self._shared: set[int] = set()  # ordinals whose prompt the rollout may share with later starts
         self._ended: dict[int, tuple] = {}  # slot -> its occupant that ended in the fetched, unrecorded chunk
         self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
         # wakes the pump the moment published weights are computed (it would otherwise find
@@ -181,16 +186,13 @@ class Pump:
                         self.ledger.changed.wait(0.05)
                         self.stats.idle_s += time.perf_counter() - t0
                         continue
-                    params, version = self.params, self.version
                 t0 = time.perf_counter()
-                self._insert(picks, params)
+                self._insert(picks)
                 live = [None if occ is None or self._ended.get(slot) is occ else occ
                         for slot, occ in enumerate(self.slots)]
                 chunk = None
                 if any(live):
-                    self._free_idle(live)
-                    self.decode_state, toks, lps = self.engine.generate_steps_async(params, self.decode_state)
-                    chunk = (toks, lps, live, version)
+                    chunk = (self.rollout.step([occ is not None for occ in live]), live)
                 self.stats.busy_s += time.perf_counter() - t0
                 if fetched is not None:
                     self._record(*fetched)  # meanwhile the device computes `chunk`
@@ -198,7 +200,7 @@ class Pump:
                 if chunk is not None:
                     t0 = time.perf_counter()
                     fetched = self._fetch(*chunk)
-                    faults.delay("generate", self.engine.steps_per_call)
+                    faults.delay("generate", self.rollout.steps_per_call)
                     self.stats.busy_s += time.perf_counter() - t0
                     self.stats.calls += 1
                     faults.point("generate", self.stats.calls, self._progress)
@@ -208,14 +210,6 @@ class Pump:
             self.error = e
             with self.ledger.changed:
                 self.ledger.changed.notify_all()
-
-    def _free_idle(self, live: list) -> None:
-        """Frees engine slots whose sample ended and that nothing refilled: the decode window
-        follows the active slots' columns, and a finished slot would still count."""
-        active = self.engine.active_slots(self.decode_state)
-        idle = [slot for slot in np.flatnonzero(active) if live[slot] is None]
-        if idle:
-            self.decode_state = self.engine.free_many(self.decode_state, idle)
 
     def _maybe_swap(self) -> None:
         if self.deterministic:
@@ -255,7 +249,9 @@ class Pump:
 
     def _swap(self, version: int) -> None:
         self.params, self.version = self.published[version], version
-        self.engine.update_params(self.params, version)
+        t0 = time.perf_counter()
+        self.rollout.swap(self.params, version)
+        self.stats.swap_s += time.perf_counter() - t0
         self.stats.swaps += 1
 
     def _gate_version(self) -> int:
@@ -339,57 +335,43 @@ class Pump:
             self.journal.claim(g, self.latest)
         return g
 
-    def _insert(self, picks, params) -> None:
-        """Prefills what the picks need, then inserts them, one insert call per prefill.
-        Continuations of saved samples prefill their tokens too (none is generated twice);
-        the samples of a group share its prompt's prefill."""
-        inserts: dict[int, tuple[object, list]] = {}  # id(prefix) -> (prefix, [(slot, row, ordinal, sample)])
-        conts = [(slot, g, si) for slot, g, si in picks if g.samples[si].tokens]
-        for batch in self._prefill_batches(conts):
-            prefix = self._prefill(params, [(g.prompt_tokens, np.asarray(g.samples[si].tokens, np.int32))
-                                            for _, g, si in batch])
-            inserts[id(prefix)] = (prefix, [(slot, row, g.ordinal, si) for row, (slot, g, si) in enumerate(batch)])
-        fresh = [(slot, g, si) for slot, g, si in picks if not g.samples[si].tokens]
-        stale = {g.ordinal: g for _, g, _ in fresh if self._prefixes.get(g.ordinal, (None,))[0] != self.version}
-        for batch in self._prefill_batches(list(stale.values())):
-            prefix = self._prefill(params, [(g.prompt_tokens, None) for g in batch])
-            for row, g in enumerate(batch):
-                self._prefixes[g.ordinal] = (self.version, prefix, row)
-        for slot, g, si in fresh:
-            _, prefix, row = self._prefixes[g.ordinal]
-            inserts.setdefault(id(prefix), (prefix, []))[1].append((slot, row, g.ordinal, si))
-        for prefix, todo in inserts.values():
-            self.decode_state = self.engine.insert_many(prefix, self.decode_state, todo)
+    def _insert(self, picks) -> None:
+        """Starts the picked samples in their slots: continuations from prompt + saved tokens
+        with the remaining budget (none is generated twice)."""
+        starts = []
+        for slot, g, si in picks:
+            toks = tuple(g.samples[si].tokens)
+            starts.append(Start(slot, g.ordinal, si, g.prompt_tokens, toks, self.N - len(toks)))
+            if not toks:
+                self._shared.add(g.ordinal)
+        if starts:
+            self.rollout.start(starts)
+            self.stats.prefills = getattr(self.rollout, "prefills", self.stats.prefills)
         with self.ledger.lock:
-            for o in [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._prefixes)
-                      if g is None or all(s.started or s.done for s in g.samples)]:
-                del self._prefixes[o]
+            done = [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._shared)
+                    if g is None or all(s.started or s.done for s in g.samples)]
+        if done:
+            self.rollout.forget(done)
+            self._shared.difference_update(done)
 
-    def _prefill_batches(self, items: list) -> list[list]:
-        """Deterministic runs prefill one sequence per call, so a result depends on that
-        sequence alone (never on what else was picked with it); others batch."""
-        n = 1 if self.deterministic else self.prefill_rows
-        return [items[i:i + n] for i in range(0, len(items), n)]
-
-    def _prefill(self, params, seqs):
-        self.stats.prefills += len(seqs)
-        return self.engine.prefill_many(params, seqs)
-
-    def _fetch(self, toks_KxS, lps_KxS, live: list, version: int) -> tuple:
+    def _fetch(self, pending, live: list) -> tuple:
         """Waits for a chunk and finds where each live sample ends in it (no ledger change).
         Only the pump appends to a sample's tokens, so their count is read without the lock."""
-        toks_KxS, lps_KxS = np.asarray(toks_KxS), np.asarray(lps_KxS)
+        chunk = self.rollout.collect(pending)
+        toks_KxS, lps_KxS, version = chunk.tokens_KxS, chunk.logprobs_KxS, chunk.version
         room_S = np.asarray([0 if occ is None else self.N - len(occ[0].samples[occ[1]].tokens) for occ in live])
         take_S, ended_S = chunk_ends(toks_KxS, room_S, self._stops)
         self._ended = {slot: occ for slot, occ in enumerate(live) if occ is not None and ended_S[slot]}
-        return toks_KxS, lps_KxS, live, version, take_S, ended_S
+        return toks_KxS, lps_KxS, live, version, take_S, ended_S, chunk.versions_KxS
 
-    def _record(self, toks_KxS, lps_KxS, live: list, version: int, take_S, ended_S) -> None:
+    def _record(self, toks_KxS, lps_KxS, live: list, version: int, take_S, ended_S, versions_KxS=None) -> None:
         """Appends a fetched chunk's tokens, logprobs and version to their samples: the lists
         are built outside the lock, which is held only to commit them."""
         toks_SxK, lps_SxK = toks_KxS.T.tolist(), lps_KxS.T.tolist()  # one conversion, not one per slot
         take, ended_ = take_S.tolist(), ended_S.tolist()
-        rows = [(slot, occ, toks_SxK[slot][:take[slot]], lps_SxK[slot][:take[slot]], [version] * take[slot],
+        vers_SxK = None if versions_KxS is None else versions_KxS.T.tolist()
+        rows = [(slot, occ, toks_SxK[slot][:take[slot]], lps_SxK[slot][:take[slot]],
+                 [version] * take[slot] if vers_SxK is None else vers_SxK[slot][:take[slot]],
                  bool(ended_[slot])) for slot, occ in enumerate(live) if occ is not None]
         finished: list[tuple[Group, Sample]] = []
         with self.ledger.changed:

@@ -312,7 +312,11 @@ class Session:
             log(line)
         params_e = self.engine_params()
         self.engine.update_params(params_e, self.step)
-        self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=self.engine, iterator=parts.iterator,
+        rollout = self.engine
+        if cfg.engine.backend == "vllm":  # the built-in engine stays for eval and weight placement
+            from .vllm_rollout import from_config
+            rollout = from_config(cfg, self.stop_ids, parts.tok.vocab_size, params_e, self.step)
+        self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=rollout, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,

