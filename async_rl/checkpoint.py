@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import sys
@@ -38,8 +39,16 @@ from etils import epath
 from orbax.checkpoint import future
 
 from . import config as C
-from . import faults, sharding
-from .ckpt_layout import committed_steps, is_step_name, iterator_file, meta_file, process_prefix, step_dir
+from . import faults, sharding, storage
+from .ckpt_layout import (
+    committed_steps,
+    is_step_name,
+    iterator_file,
+    meta_file,
+    process_prefix,
+    step_dir,
+    temporary_path_class,
+)
 from .ledger import Capture, LedgerSnapshot
 
 
@@ -212,25 +221,30 @@ class LedgerHandler(ocp.AsyncCheckpointHandler):
     only for the cut."""
 
     def _write(self, directory: epath.Path, args: "LedgerSave") -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        remote = storage.is_remote(directory)
+        directory = storage.run_path(str(directory)) if remote else Path(directory)
+        storage.mkdirs(directory)
         pre, snap = _process_prefix(), args.cut.build()
         index, offset = {}, 0
-        with open(directory / f"{pre}.bin", "wb") as f:
+        # an object is written whole (one PUT of the buffer); a local file as it goes
+        with (io.BytesIO() if remote else open(directory / f"{pre}.bin", "wb")) as f:
             for i, (name, arr) in enumerate(snap.arrays.items()):
                 arr = np.ascontiguousarray(arr)
                 index[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
                                "sum64": _sum64(arr.reshape(-1).view(np.uint8))}
-                arr.tofile(f)
+                f.write(arr.tobytes()) if remote else arr.tofile(f)
                 offset += arr.nbytes
                 if i == 1:
                     f.flush()
                     faults.point("ckpt_write", args.step)
                     faults.raise_enospc("ledger", args.step)
+            if remote:
+                storage.write_atomic(directory / f"{pre}.bin", f.getvalue())
         header = dict(snap.header, arrays=index, bytes=offset,
                       iterator_sha256=args.iterator_sha256)
         header["header_sha256"] = json_digest(header)
-        (directory / f"{pre}.json").write_text(json.dumps(header))
+        storage.write_atomic(directory / f"{pre}.json", json.dumps(header)) if remote else \
+            (directory / f"{pre}.json").write_text(json.dumps(header))
 
     async def async_save(self, directory: epath.Path, args: "LedgerSave"):
         async def write():
@@ -241,7 +255,7 @@ class LedgerHandler(ocp.AsyncCheckpointHandler):
         self._write(directory, args)
 
     def restore(self, directory: epath.Path, args: "LedgerRestore" = None) -> LedgerSnapshot:
-        return read_ledger(Path(directory), _process_prefix())
+        return read_ledger(storage.run_path(str(directory)), _process_prefix())
 
     def metadata(self, directory: epath.Path) -> Any:
         return None
@@ -365,7 +379,7 @@ class _FaultyCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool):
-        self.directory = Path(directory).absolute()
+        self.directory = storage.run_path(directory) if storage.is_remote(directory) else Path(directory).absolute()
         self.keep, self.async_save = keep, async_save
         self.mngr: ocp.CheckpointManager | None = None  # opened by `open()`: reading needs none
         self.last_blocking_s = 0.0  # time save() held the caller, for ckpt/ metrics
@@ -375,7 +389,9 @@ class Checkpointer:
         """Starts writing (creates the directory, clears uncommitted temporaries)."""
         opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
                                             cleanup_tmp_directories=True, create=True)
-        if faults.enospc_points():
+        if temporary_path_class(self.directory) is not None:
+            opts = dataclasses.replace(opts, temporary_path_class=temporary_path_class(self.directory))
+        elif faults.enospc_points():
             opts = dataclasses.replace(opts, temporary_path_class=_FaultyCommit)
         self.mngr = ocp.CheckpointManager(self.directory, options=opts)
 

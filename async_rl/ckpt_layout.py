@@ -1,7 +1,10 @@
 """Where a checkpoint step's files lie: the one place that knows the on-disk layout.
 
 Owns: listing committed steps as Orbax's CheckpointManager lists them (its standard step-name
-format; a step is committed once Orbax renames its temporary directory to the step's name),
+format and its own record of a finished step: on a local filesystem the rename of the
+temporary directory to the step's name; on an object store, where Orbax writes the step's
+directory in place, its `commit_success.txt`: a half-written step is never listed), the
+commit protocol each backend uses (`temporary_path_class`),
 the items of a step, the meta document's file, each process's file-name prefix (the ledger
 item's `<prefix>.json`/`.bin` are checkpoint's own format), and the data item's per-process
 file (Grain's handler writes one JSON per process). Does not own: writing, reading or
@@ -15,17 +18,35 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 from etils import epath
 
+from . import storage
+
 ITEMS = ("state", "data", "ledger", "meta")  # the Composite items of every step
 _NAMES = ocp.path.step.standard_name_format()  # the CheckpointManager's default, which train uses
+# Object stores have no rename: Orbax writes the step in place and records its commit in a file
+# (its default on gs://; on s3:// its default rename would be a copy)
+_COMMIT_FILE = ocp.path.atomicity.CommitFileTemporaryPath
+_REMOTE_NAMES = ocp.path.step.standard_name_format(temporary_path_cls=_COMMIT_FILE)
+
+
+def temporary_path_class(ckpt_dir) -> type | None:
+    """The commit protocol for a CheckpointManager writing `ckpt_dir` (None: Orbax's default)."""
+    return _COMMIT_FILE if storage.is_remote(ckpt_dir) else None
 
 
 def committed_steps(ckpt_dir: str | Path) -> list[int]:
-    """Committed steps in `ckpt_dir`, oldest first (temporaries and stray names left out)."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        return []
+    """Committed steps in `ckpt_dir`, oldest first (temporaries, half-written steps and stray
+    names left out)."""
+    if storage.is_remote(ckpt_dir):
+        d, names = epath.Path(str(ckpt_dir)), _REMOTE_NAMES
+        if not storage.is_dir(d):
+            return []
+    else:
+        d, names = Path(ckpt_dir), _NAMES
+        if not d.is_dir():
+            return []
+        d = epath.Path(d.absolute())
     try:
-        return sorted(m.step for m in _NAMES.find_all(epath.Path(d.absolute())))
+        return sorted(m.step for m in names.find_all(d))
     except FileNotFoundError:  # removed while listed
         return []
 
@@ -36,7 +57,7 @@ def is_step_name(name: str) -> bool:
 
 
 def step_dir(ckpt_dir: str | Path, step: int) -> Path:
-    return Path(ckpt_dir) / _NAMES.build_name(step)
+    return storage.run_path(ckpt_dir) / _NAMES.build_name(step)
 
 
 def item_dir(ckpt_dir: str | Path, step: int, item: str) -> Path:
@@ -46,7 +67,7 @@ def item_dir(ckpt_dir: str | Path, step: int, item: str) -> Path:
 
 def meta_file(step_path: Path) -> Path:
     """The JSON meta document (Orbax's JsonSave writes its item as `metadata`)."""
-    return Path(step_path) / "meta" / "metadata"
+    return storage.run_path(step_path) / "meta" / "metadata"
 
 
 def process_prefix(index: int, count: int) -> str:
@@ -55,4 +76,4 @@ def process_prefix(index: int, count: int) -> str:
 
 def iterator_file(step_path: Path, index: int, count: int) -> Path:
     """One process's iterator state, as Grain's checkpoint handler names it."""
-    return Path(step_path) / "data" / f"{process_prefix(index, count)}.json"
+    return storage.run_path(step_path) / "data" / f"{process_prefix(index, count)}.json"

@@ -127,7 +127,7 @@ def _main(argv: list[str] | None) -> int:
         from .audit import AuditError, audit, format_report
         try:
             rep = audit(args.run_dir)
-        except (AuditError, OSError) as e:
+        except (AuditError, OSError, C.ConfigError) as e:
             return _err(str(e), 2)
         print(json.dumps(rep, indent=1) if args.json else format_report(rep))
         return 0 if rep["ok"] else 1

@@ -18,10 +18,54 @@ import json
 import os
 from pathlib import Path
 
+from . import storage
 from .ledger import Group
 from .rundir import storage_error
 
 LOGS = ("lineage", "drops", "rollouts")
+
+
+def _encode(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+
+
+def open_log(path):
+    """A JSON-lines log at `path`: an append-only file, or segment objects on an object store."""
+    return SegmentLog(path) if storage.is_remote(path) else JsonlLog(path)
+
+
+class SegmentLog:
+    """A JSON-lines log on an object store (no append there): each append is one new segment
+    object under `path/`, read back in order (`storage.read_log`); its length, cut-back and
+    checkpoint record work as JsonlLog's."""
+
+    def __init__(self, path):
+        self.path = path
+        segs = storage.segments(path)
+        self._size = sum(n for _, n in segs)
+        self._seq = int(segs[-1][0].rsplit("/", 1)[-1]) if segs else 0
+
+    def truncate(self, nbytes: int) -> int:
+        cut = storage.cut_log(self.path, nbytes)
+        self._size = storage.log_size(self.path)
+        return cut
+
+    def append(self, rows: list[dict]) -> None:
+        if rows:
+            data = _encode(rows)
+            self._seq += 1
+            where = self.path / storage.segment_name(self._seq)
+            try:  # one PUT: the segment appears whole or not at all
+                storage.write_atomic(where, data)
+            except OSError as e:
+                raise storage_error(where, e) from None
+            self._size += len(data)
+
+    def tell(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        pass
 
 
 class JsonlLog:
@@ -48,7 +92,7 @@ class JsonlLog:
 
     def append(self, rows: list[dict]) -> None:
         if rows:
-            data = memoryview(b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows))
+            data = memoryview(_encode(rows))
             try:  # written at once: survives SIGKILL of this process (the OS holds the page)
                 while data:
                     data = data[self._f.write(data):]
@@ -65,10 +109,7 @@ class JsonlLog:
 
 def read_jsonl(path: Path) -> list[dict]:
     out = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
+    for line in storage.read_log(path).decode().splitlines():
         if line.strip():
             out.append(json.loads(line))
     return out
@@ -81,9 +122,9 @@ class RunLogs:
         after the first, since ordinals count from 0 again in each generation."""
         self.tok = tokenizer
         self.gen = generation
-        self.lineage = JsonlLog(run_dir / f"lineage{suffix}.jsonl")
-        self.drops = JsonlLog(run_dir / f"drops{suffix}.jsonl")
-        self.rollouts = JsonlLog(run_dir / f"rollouts{suffix}.jsonl") if rollouts else None
+        self.lineage = open_log(run_dir / f"lineage{suffix}.jsonl")
+        self.drops = open_log(run_dir / f"drops{suffix}.jsonl")
+        self.rollouts = open_log(run_dir / f"rollouts{suffix}.jsonl") if rollouts else None
         # with rollouts off the file keeps what earlier sessions wrote: its size is still
         # recorded at each cut, so that turning them on again later cuts nothing of it
         self._rollouts_off = None if rollouts else run_dir / f"rollouts{suffix}.jsonl"
@@ -95,7 +136,7 @@ class RunLogs:
         """Byte sizes for the checkpoint's meta (call at the cut)."""
         sizes = {f"{n}_bytes": log.tell() for n, log in self._logs()}
         if self._rollouts_off is not None:
-            sizes["rollouts_bytes"] = self._rollouts_off.stat().st_size if self._rollouts_off.exists() else 0
+            sizes["rollouts_bytes"] = storage.log_size(self._rollouts_off)
         return sizes
 
     def cut_to(self, meta: dict | None, warn) -> int:
@@ -103,10 +144,8 @@ class RunLogs:
         the bytes of lineage cut."""
         cut = 0
         off = self._rollouts_off
-        if off is not None and off.exists() and (not meta or "rollouts_bytes" in meta):
-            want = int(meta["rollouts_bytes"]) if meta else 0
-            if off.stat().st_size > want:
-                os.truncate(off, want)
+        if off is not None and (not meta or "rollouts_bytes" in meta):
+            storage.cut_log(off, int(meta["rollouts_bytes"]) if meta else 0)
         for n, log in self._logs():
             if meta and n == "rollouts" and "rollouts_bytes" not in meta:
                 continue  # a checkpoint from before this size was recorded with rollouts off: keep all

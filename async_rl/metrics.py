@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .lineage import JsonlLog, read_jsonl
+from .lineage import open_log, read_jsonl
 
 
 class StepClock:
@@ -117,7 +117,7 @@ class MetricsSink:
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
                  start_step: int, console=print, name: str = "metrics.jsonl", wandb=None):
-        self.jsonl = JsonlLog(run_dir / name)
+        self.jsonl = open_log(run_dir / name)
         self.wandb = wandb  # a wandb_log.WandbLog: every step W&B does not have yet
         self.every, self.console = every, console
         self.tb = None

@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 
 from . import data as data_mod
+from . import storage
 from .checkpoint import Restored, saved_processes
 from .ledger import Group, Ledger, LedgerSnapshot
 
@@ -177,21 +178,18 @@ def cut_inactive_logs(run_dir: Path, generations: list, processes: int) -> int:
     wrote come back from the ledger. Returns the bytes cut."""
     frozen = generations[-1]["frozen_logs"] if generations else {}
     cut = 0
-    for path in sorted(Path(run_dir).glob("*.p*.jsonl")):
+    for path in storage.glob(run_dir, "*.p*.jsonl"):
         m = _PROCESS_LOG.fullmatch(path.name)
         if not m or int(m.group(2)) < processes:
             continue
         sizes = frozen.get(m.group(2))
         want = 0 if sizes is None else sizes.get(f"{m.group(1)}_bytes")
-        size = path.stat().st_size
-        if want is not None and size > int(want):
-            with open(path, "r+b") as f:
-                f.truncate(int(want))
-            cut += size - int(want)
+        if want is not None:
+            cut += storage.cut_log(path, int(want))
     return cut
 
 
 def count_note(run_dir: Path) -> str:
     """For an error about the process count: the count the run's newest checkpoint was written by."""
-    got = saved_processes(Path(run_dir) / "checkpoints")
+    got = saved_processes(storage.run_path(run_dir) / "checkpoints")
     return f"; checkpoint step {got[0]} in {run_dir} was written by {got[1]} process(es)" if got else ""

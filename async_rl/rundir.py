@@ -23,6 +23,7 @@ import socket
 import time
 from pathlib import Path
 
+from . import storage
 from .config import ConfigError
 
 # Files and folders that hold a run's history; a fresh start never truncates them.
@@ -43,6 +44,8 @@ class RunDirError(ConfigError):
 
 def check_usable(path: Path) -> None:
     """Raises RunDirError unless `path` is (or can be created as) a writable directory."""
+    if storage.is_remote(path):
+        return _check_bucket(path)
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise RunDirError(f"run.dir={str(path)!r}: is a file, not a directory")
@@ -59,31 +62,56 @@ def check_usable(path: Path) -> None:
         raise RunDirError(f"run.dir={str(path)!r}: {what}")
 
 
+def _check_bucket(path) -> None:
+    """An object-store run.dir: its bucket exists, it is not an object itself, and this
+    process may write there (a probe object is written and deleted)."""
+    fs, where = storage.filesystem(path), str(path)
+    bucket = where.split("://", 1)[1].split("/", 1)[0]
+    try:
+        if not fs.exists(f"{where.split('://')[0]}://{bucket}"):
+            raise RunDirError(f"run.dir={where!r}: bucket {bucket!r} does not exist (or cannot be seen)")
+        if fs.isfile(where):
+            raise RunDirError(f"run.dir={where!r}: is an object, not a prefix")
+        probe = storage.run_path(where) / f".probe-{socket.gethostname()}-{os.getpid()}"
+        storage.write_atomic(probe, b"")
+        storage.remove(probe)
+    except RunDirError:
+        raise
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"run.dir={where!r}: cannot be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
+            from None
+
+
+def _nonempty(p) -> int:
+    """How many entries folder `p` has."""
+    return len(storage.listdir(p)) if storage.is_dir(p) else 0
+
+
 def history(path: Path) -> dict[str, int]:
     """What a run directory already holds: {kind: count} for non-empty history items."""
-    p, out = Path(path), {}
-    if not p.is_dir():
+    p, out = path, {}
+    if not storage.is_dir(p):
         return out
+    names = storage.listdir(p)
     for pattern in HISTORY_GLOBS:
-        n = sum(1 for f in p.glob(pattern) if f.is_file() and f.stat().st_size > 0)
+        n = sum(1 for f in storage.glob(p, pattern) if storage.is_log(f))
         if n:
             out[pattern.split("*")[0]] = n
     for name in HISTORY_DIRS:
-        d = p / name
-        if d.is_dir() and any(d.iterdir()):
-            out[name] = sum(1 for _ in d.iterdir())
+        n = _nonempty(p / name) if name in names else 0
+        if n:
+            out[name] = n
     return out
 
 
 def durable(path: Path) -> bool:
     """Did a checkpoint ever cover this run's logs? (marker written, or damaged steps set aside)"""
-    p = Path(path)
-    return (p / MARKER).is_file() or ((p / "damaged").is_dir() and any((p / "damaged").iterdir()))
+    return storage.is_file(path / MARKER) or _nonempty(path / "damaged") > 0
 
 
 def mark_checkpointed(path: Path, step: int) -> None:
-    p = Path(path) / MARKER
-    if not p.is_file():
+    p = path / MARKER
+    if not storage.is_file(p):
         write_atomic(p, json.dumps({"first_committed_step": step, "time": time.time()}))
 
 
@@ -94,11 +122,12 @@ def describe(hist: dict[str, int]) -> str:
 def interrupted_restart(path: Path) -> Path | None:
     """The folder an interrupted run.resume=restart was moving the history into, or None."""
     try:
-        return Path(json.loads((Path(path) / RESTARTING).read_text())["dest"])
+        dest = json.loads(storage.read_text(path / RESTARTING))["dest"]
+        return storage.run_path(dest) if storage.is_remote(path) else Path(dest)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return Path(path) / "previous"  # torn: still a restart that did not finish
+        return path / "previous"  # torn: still a restart that did not finish
 
 
 def archive_history(path: Path) -> Path:
@@ -106,40 +135,37 @@ def archive_history(path: Path) -> Path:
     an interrupted restart is finished into the folder it had begun."""
     from . import faults
 
-    p = Path(path)
+    p = path
     dest = interrupted_restart(p)
-    if dest is None or not dest.is_dir() or dest.parent != p / "previous":
+    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(p / "previous"):
         dest = p / "previous" / time.strftime("%Y%m%d-%H%M%S")
         n = 0
-        while dest.exists():
+        while storage.exists(dest):
             n += 1
             dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
-        dest.mkdir(parents=True)
+        storage.mkdirs(dest)
         write_atomic(p / RESTARTING, json.dumps({"dest": str(dest), "time": time.time()}))
-    names = [f.name for g in HISTORY_GLOBS for f in p.glob(g)] + list(HISTORY_DIRS) + list(MANIFESTS)
+    names = [f.name for g in HISTORY_GLOBS for f in storage.glob(p, g)] + list(HISTORY_DIRS) + list(MANIFESTS)
     moved = 0
     for name in names:
-        if (p / name).exists():
-            os.replace(p / name, dest / name)
+        if storage.exists(p / name):
+            storage.move(p / name, dest / name)
             moved += 1
             faults.point("restart", moved)
-    (p / RESTARTING).unlink(missing_ok=True)
+    storage.remove(p / RESTARTING)
     return dest
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never a torn write."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        storage.write_atomic(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise storage_error(path, e) from None
 
 
 def write_if_changed(path: Path, text: str) -> None:
-    if not path.is_file() or path.read_text() != text:
+    if not storage.is_file(path) or storage.read_text(path) != text:
         write_atomic(path, text)
 
 
@@ -300,3 +326,140 @@ class RunLock:
             if fd is not None:
                 os.close(fd)  # closing drops the flock
                 setattr(self, name, None)
+
+
+class LeaseLock:
+    """The run lock on an object store, which has no flock: a lease object (`.lock`, or
+    `.lock.p<i>` for process i > 0) naming its holder (pid, host, start time, a random
+    token) and when it was last renewed. It is created with a conditional create (GCS
+    `ifGenerationMatch=0`, S3 `If-None-Match: *`: one winner), renewed every third of
+    `lease_s` by a heartbeat thread with a conditional replace of the version it last wrote,
+    and taken over only when it has not been renewed for `lease_s` (or its holder's process
+    is gone from this host). A holder whose renewal finds another writer's version stops at its
+    next step boundary (`check`: LockLostError)."""
+
+    def __init__(self, run_dir, process_index: int = 0, lease_s: float = 60.0):
+        self.run_dir = run_dir
+        self.path = run_dir / (".lock" if process_index == 0 else f".lock.p{process_index}")
+        self.lease_s = float(lease_s)
+        self._version: str | None = None
+        self._doc: dict = {}
+        self._lost: str | None = None
+        self._stop = None
+        self._thread = None
+
+    def _read(self) -> tuple[dict, str] | None:
+        got = storage.read_versioned(self.path)
+        if got is None:
+            return None
+        try:
+            doc = json.loads(got[0] or b"{}")
+        except ValueError:
+            doc = {}
+        return (doc if isinstance(doc, dict) else {}), got[1]
+
+    def _stale(self, doc: dict) -> bool:
+        """Not renewed for lease_s (by the reader's clock), or its process is gone from this host."""
+        if time.time() - float(doc.get("renewed", 0)) > float(doc.get("lease_s", self.lease_s)):
+            return True
+        if doc.get("host") == socket.gethostname() and isinstance(doc.get("pid"), int):
+            try:
+                os.kill(doc["pid"], 0)
+            except ProcessLookupError:
+                return True
+            except OSError:
+                pass
+        return False
+
+    @staticmethod
+    def _describe(doc: dict) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["started"])) if "started" in doc else "?"
+        ago = f", renewed {time.time() - float(doc['renewed']):.0f} s ago" if "renewed" in doc else ""
+        return f"pid {doc.get('pid', '?')} on host {doc.get('host', '?')} (since {since}{ago})"
+
+    def holder(self) -> str | None:
+        got = self._read()
+        if got is None or self._stale(got[0]) or got[0].get("token") == self._doc.get("token"):
+            return None
+        return self._describe(got[0])
+
+    def _refusal(self, run_dir, doc: dict) -> RunDirError:
+        return RunDirError(f"run.dir={str(run_dir)!r} is in use by {self._describe(doc)}; wait for that run to end or "
+                           f"stop it (its lock is taken over {self.lease_s:.0f} s after its last renewal; nothing was "
+                           "changed)")
+
+    def ensure_free(self, run_dir) -> None:
+        got = self._read()
+        if got is not None and not self._stale(got[0]):
+            raise self._refusal(run_dir, got[0])
+
+    def _body(self) -> bytes:
+        self._doc["renewed"] = time.time()
+        return json.dumps(self._doc).encode()
+
+    def acquire(self, run_dir) -> None:
+        import uuid
+        self._doc = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                     "token": uuid.uuid4().hex, "lease_s": self.lease_s}
+        got = self._read()
+        if got is not None and not self._stale(got[0]):
+            raise self._refusal(run_dir, got[0])
+        try:  # a create, or a takeover of exactly the stale version read
+            self._version = storage.replace_if(self.path, self._body(), None if got is None else got[1])
+        except storage.Conflict:
+            now = self._read()
+            raise self._refusal(run_dir, now[0] if now else {}) from None
+        except OSError as e:
+            raise storage_error(self.path, e, "taking the run lock") from None
+        self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        import threading
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _heartbeat(self) -> None:
+        every = self.lease_s / 3
+        while not self._stop.wait(every):
+            try:
+                self.renew()
+            except storage.Conflict:
+                now = self._read()
+                self._lost = (f"{self.path}: the run lock was taken by {self._describe(now[0]) if now else 'nobody'} "
+                              "(this run had not renewed it in time); stopped before writing anything more (the last "
+                              "committed checkpoint step is intact)")
+                return
+            except Exception:  # a failed request: tried again at the next beat, while the lease lasts
+                continue
+
+    def renew(self) -> None:
+        """Extends the lease (Conflict where another writer replaced it)."""
+        self._version = storage.replace_if(self.path, self._body(), self._version)
+
+    def check(self, run_dir, log=None) -> None:
+        """At a step boundary: LockLostError if the heartbeat found the lease taken."""
+        if self._lost:
+            raise LockLostError(self._lost)
+
+    def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(timeout=30)
+            self._stop = None
+        if self._version is not None and not self._lost:
+            try:  # deleted only while it is still this run's
+                got = self._read()
+                if got is not None and got[0].get("token") == self._doc.get("token"):
+                    storage.remove(self.path)
+            except OSError:
+                pass  # it expires by itself
+            self._version = None
+
+
+def run_lock(run_dir, process_index: int = 0, lease_s: float = 60.0):
+    """The run lock for `run_dir`: an flock where it is a local (or shared POSIX) directory,
+    a lease object on an object store."""
+    if storage.is_remote(run_dir):
+        return LeaseLock(run_dir, process_index, lease_s)
+    return RunLock(run_dir, process_index)

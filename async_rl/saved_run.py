@@ -27,6 +27,7 @@ from typing import Any, Callable
 import yaml
 
 from . import config as C
+from . import storage
 from .checkpoint import Checkpointer, Damaged
 from .ckpt_layout import committed_steps, step_dir
 
@@ -56,7 +57,7 @@ class SavedRun:
 def open_run(run_dir: str | Path) -> SavedRun:
     """A run directory's config and tokenizer; FileNotFoundError when it has no committed step."""
     from .tokenizer import build_tokenizer
-    run = Path(run_dir).absolute()  # Orbax wants absolute paths
+    run = _run_path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run directory")
     cfg_path = run / "config.yaml"
@@ -70,6 +71,11 @@ def open_run(run_dir: str | Path) -> SavedRun:
         raise FileNotFoundError(f"{run / 'checkpoints'}: no committed checkpoint")
     tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
     return SavedRun(run, cfg, tok, cfg.model.vocab_size or tok.vocab_size)
+
+
+def _run_path(run_dir):
+    """Orbax wants absolute local paths; object-store URLs are used as they are."""
+    return storage.run_path(run_dir) if storage.is_remote(run_dir) else Path(run_dir).absolute()
 
 
 def _clear_stale_holds(parent: Path) -> None:
@@ -90,6 +96,9 @@ def _held(ckpt_dir: Path, step: int):
     the reader: hard links to its files in a temporary directory beside the run (no data is
     copied), or the run's own directory where no links can be made there."""
     src, parent = step_dir(ckpt_dir, step), ckpt_dir.parent.parent
+    if storage.is_remote(ckpt_dir):  # no links there: a step deleted while read is read again
+        yield ckpt_dir
+        return
     try:
         _clear_stale_holds(parent)
         root = Path(tempfile.mkdtemp(prefix=f"{HOLD_PREFIX}{os.getpid()}-", dir=parent))
@@ -192,7 +201,7 @@ def read_params(run: SavedRun, step: int | None = None, warn: Callable[[str], No
 
 def read_ledgers(run_dir: str | Path, warn: Callable[[str], None]) -> tuple[int, dict, list] | None:
     """(step, meta, every process's ledger shard) of the newest step whose ledger verifies, or None."""
-    run = SavedRun(Path(run_dir).absolute(), None, None, 0)
+    run = SavedRun(_run_path(run_dir), None, None, 0)
     if not run.steps():
         return None
     try:

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import config as C
 from . import data as data_mod
-from . import faults, hf, memory, reshard, rewards, rundir, sharding
+from . import faults, hf, memory, reshard, rewards, rundir, sharding, storage
 from . import journal as journal_mod
 from . import signals as sig
 from .checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
@@ -113,12 +113,14 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     cfg = hf.resolve(cfg)  # model.hf_path: architecture fields and tokenizer from the HF directory
     if not cfg.run.dir:
         raise ConfigError("run.dir: required (no default): the directory this run writes and resumes from")
-    run_dir = Path(cfg.run.dir)
+    run_dir = storage.run_path(cfg.run.dir)
+    if storage.is_remote(run_dir):
+        cfg = _object_store_config(cfg, log)
     rundir.check_usable(run_dir)
     if cfg.log.wandb:
         from .wandb_log import check_installed
         check_installed()
-    lock = rundir.RunLock(run_dir, jax.process_index())
+    lock = rundir.run_lock(run_dir, jax.process_index(), cfg.run.lease_s)
     lock.ensure_free(run_dir)
     parts = build(cfg, run_dir, log)
     start = choose_start(parts, log)
@@ -138,6 +140,25 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
         return report(parts, session, log)
     finally:
         lock.release()
+
+
+def _object_store_config(cfg: Config, log) -> Config:
+    """What a run on an object store writes: everything but the rollout journal (its fsync'd
+    appends), TensorBoard's event file and reward.png, which are turned off with one line."""
+    if storage.scheme(cfg.run.dir) == "s3":
+        raise ConfigError(f"run.dir={cfg.run.dir!r}: Orbax {ocp_version()} cannot write arrays to s3:// (only gs:// "
+                          "and local or shared directories can hold a training run; nothing was written)")
+    off = [k for k, on in (("journal.enabled", cfg.journal.enabled), ("log.tensorboard", cfg.log.tensorboard),
+                           ("log.plot", cfg.log.plot)) if on]
+    if off:
+        log(f"warning: run.dir={cfg.run.dir}: {', '.join(off)} turned off (they append to files; an object store "
+            "has no append)")
+    return C.replace(cfg, journal={"enabled": False}, log={"tensorboard": False, "plot": False})
+
+
+def ocp_version() -> str:
+    import orbax.checkpoint as ocp
+    return getattr(ocp, "__version__", "")
 
 
 # ---- 2. build ---------------------------------------------------------------------------
@@ -244,7 +265,10 @@ def take(parts: Parts, start: Start, log) -> None:
         log(f"run.resume=restart: moved the previous history of {run_dir} to {dest}; starting over")
     for d in start.damaged if not start.restart else []:
         dest = run_dir / "damaged" / f"step_{d.step}_{int(time.time())}"
-        if primary:
+        if primary and storage.is_remote(run_dir):
+            faults.point("set_aside", d.step)
+            storage.move(parts.ckpt.directory / str(d.step), dest)
+        elif primary:
             dest.parent.mkdir(parents=True, exist_ok=True)
             faults.point("set_aside", d.step)
             shutil.move(str(parts.ckpt.directory / str(d.step)), dest)
@@ -288,7 +312,7 @@ class Session:
         self.checkpointed = rundir.durable(parts.run_dir)
         self.last_saved = start.step if start.restored else -1
         self.ref_params = self.learner.init_params() if self.learner.use_ref else None
-        if self.primary:
+        if self.primary and not storage.is_remote(parts.run_dir):
             dropped = cut_events(parts.run_dir / "tb", start.step)
             if dropped:
                 log(f"cut {dropped} TensorBoard events logged after step {start.step} (not covered by its checkpoint)")
@@ -482,7 +506,7 @@ class Session:
     def _commit(self, groups: list, cut: list) -> None:
         """The step's groups leave the ledger and enter the lineage log (this process's share)."""
         if self.trained == 1 and self.primary:
-            (self.parts.run_dir / "final.json").unlink(missing_ok=True)  # the run goes on past its end
+            storage.remove(self.parts.run_dir / "final.json")  # the run goes on past its end
         with self.ledger.lock:
             self.ledger.commit(groups)
             self.logs.trained(self.step, groups)

@@ -24,3 +24,27 @@ def pytest_collection_modifyitems(config, items):
     """Long tests first (a stable sort keeps the rest in file order): with the suite split
     over workers (`make test`), the last test to finish is then a short one."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint(tmp_path_factory):
+    """fake-gcs-server on loopback for the whole session (tensorstore reads its URL once per
+    process); the clients' standard variables point at it."""
+    from objstore import GCS_ENV, environ, gcs_server
+    with gcs_server(tmp_path_factory.mktemp("fake_gcs")) as url, environ(GCS_ENV(url)):
+        yield url
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    from objstore import S3_ENV, environ, s3_server
+    with s3_server() as url, environ(S3_ENV(url)):
+        yield url
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket(request) -> str:
+    """A fresh, empty bucket on a real local server: `gs://...` or `s3://...`."""
+    from objstore import new_bucket
+    request.getfixturevalue("gcs_endpoint" if request.param == "gs" else "s3_endpoint")
+    return new_bucket(request.param)

@@ -1,0 +1,334 @@
+"""Where run.dir lives: a local (or shared POSIX) directory, or a `gs://` / `s3://` prefix.
+
+Owns: telling the two apart, the path object a module joins names onto (`pathlib.Path` for a
+local run directory, `etils.epath.Path` for an object store, which Orbax and Grain take as
+they are), and the primitives every module uses on run.dir: reading, listing, atomic
+replace, exclusive create, and (on object stores) the versioned read and conditional
+replace a lease needs. Local paths keep the POSIX primitives (write to a temporary file and
+rename; O_EXCL); object stores go through fsspec (gcsfs, s3fs; the optional extras
+`async_rl[gcs]`, `async_rl[s3]`), where a single PUT is already atomic and a create is
+conditional (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`). Endpoints and credentials
+come from each client's standard environment (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...).
+Does not own: what the files hold, or which module writes which.
+
+See docs/design.md, "Run directories on object storage".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from .config import ConfigError
+
+# scheme -> (the optional extra that brings its client, the module that must import)
+BACKENDS = {"gs": ("gcs", "gcsfs"), "s3": ("s3", "s3fs")}
+
+
+class MissingExtra(ConfigError):
+    """An object-store run.dir whose client library is not installed (exit 2)."""
+
+
+def scheme(p) -> str | None:
+    """'gs' or 's3' for an object-store URL, None for a local path."""
+    s = str(p)
+    for name in BACKENDS:
+        if s.startswith(f"{name}://"):
+            return name
+    return None
+
+
+def is_remote(p) -> bool:
+    return scheme(p) is not None
+
+
+def run_path(p):
+    """The path object for a run directory: `Path` (local) or `epath.Path` (object store)."""
+    if is_remote(p):
+        from etils import epath
+        filesystem(p)  # a missing extra is named here, before anything else is tried
+        return epath.Path(str(p).rstrip("/"))
+    return Path(p)
+
+
+def url(p) -> str:
+    return str(p)
+
+
+@functools.lru_cache(maxsize=None)
+def _fs(name: str):
+    extra, module = BACKENDS[name]
+    try:
+        __import__(module)
+    except ImportError:
+        raise MissingExtra(f"{name}:// run directories need the {module} client: pip install 'async_rl[{extra}]'") \
+            from None
+    import fsspec
+    # listings are read fresh: another process (or host) may have written since
+    return fsspec.filesystem(name, use_listings_cache=False, skip_instance_cache=True)
+
+
+def filesystem(p):
+    """The fsspec filesystem of an object-store URL (MissingExtra naming the extra to install)."""
+    name = scheme(p)
+    if name is None:
+        raise ValueError(f"{p}: not an object-store URL")
+    return _fs(name)
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+
+def exists(p) -> bool:
+    return filesystem(p).exists(url(p)) if is_remote(p) else Path(p).exists()
+
+
+def is_file(p) -> bool:
+    return filesystem(p).isfile(url(p)) if is_remote(p) else Path(p).is_file()
+
+
+def is_dir(p) -> bool:
+    return filesystem(p).isdir(url(p)) if is_remote(p) else Path(p).is_dir()
+
+
+def size(p) -> int:
+    """Bytes in file `p`; FileNotFoundError where there is none."""
+    return int(filesystem(p).info(url(p))["size"]) if is_remote(p) else Path(p).stat().st_size
+
+
+def read_bytes(p) -> bytes:
+    return filesystem(p).cat_file(url(p)) if is_remote(p) else Path(p).read_bytes()
+
+
+def read_text(p) -> str:
+    return read_bytes(p).decode()
+
+
+def listdir(p) -> list[str]:
+    """Names directly under `p` (files and folders), sorted; [] where there is nothing."""
+    if not is_remote(p):
+        return sorted(os.listdir(p)) if Path(p).is_dir() else []
+    fs = filesystem(p)
+    try:
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(url(p), detail=False)} - {""})
+    except FileNotFoundError:
+        return []
+
+
+def glob(p, pattern: str) -> list:
+    """Paths under `p` whose names match `pattern` (one level), sorted."""
+    import fnmatch
+    return [p / n for n in listdir(p) if fnmatch.fnmatchcase(n, pattern)]
+
+
+# ---- logs: a file locally, ordered segment objects on an object store -------------------
+
+# An object store has no append: a log `name.jsonl` there is the folder `name.jsonl/` of
+# segment objects `<seq>` (one per append), read back in order and concatenated.
+SEGMENT_DIGITS = 10
+
+
+def segments(p) -> list[tuple[str, int]]:
+    """(url, bytes) of each segment of log `p` on an object store, in order."""
+    fs = filesystem(p)
+    try:
+        entries = fs.ls(url(p), detail=True)
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        if e.get("type") == "file" and len(name) == SEGMENT_DIGITS and name.isdigit():
+            out.append((f"{scheme(p)}://{e['name']}", int(e["size"])))
+    return sorted(out)
+
+
+def segment_name(seq: int) -> str:
+    return f"{seq:0{SEGMENT_DIGITS}d}"
+
+
+def read_log(p) -> bytes:
+    """The whole content of log `p` (b"" where there is none)."""
+    if not is_remote(p):
+        try:
+            return Path(p).read_bytes()
+        except FileNotFoundError:
+            return b""
+    fs = filesystem(p)
+    return b"".join(fs.cat_file(u) for u, _ in segments(p))
+
+
+def log_size(p) -> int:
+    """Bytes in log `p` (0 where there is none)."""
+    if not is_remote(p):
+        return Path(p).stat().st_size if Path(p).is_file() else 0
+    return sum(n for _, n in segments(p))
+
+
+def cut_log(p, nbytes: int) -> int:
+    """Cuts log `p` back to its first `nbytes`; returns the bytes cut. On an object store the
+    segments past the cut go from the last backwards, so a cut stopped half-way leaves a
+    shorter log with no gap, and the next cut finishes it."""
+    if not is_remote(p):
+        size = log_size(p)
+        if size > nbytes:
+            os.truncate(p, nbytes)
+        return max(0, size - nbytes)
+    segs, fs = segments(p), filesystem(p)
+    ends = []
+    pos = 0
+    for u, n in segs:
+        ends.append((u, pos, n))
+        pos += n
+    cut = max(0, pos - nbytes)
+    for u, start, n in reversed(ends):
+        if start >= nbytes:
+            fs.rm_file(u)
+        elif start + n > nbytes:
+            fs.pipe_file(u, fs.cat_file(u)[:nbytes - start])
+    return cut
+
+
+def is_log(p) -> bool:
+    """Whether log `p` exists with at least one byte."""
+    return log_size(p) > 0
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+
+def write_atomic(p, data: bytes | str) -> None:
+    """Readers see the old content or the new, never a torn write (OSError as raised)."""
+    data = data.encode() if isinstance(data, str) else data
+    if is_remote(p):
+        filesystem(p).pipe_file(url(p), data)  # one PUT: the object appears whole
+        return
+    p = Path(p)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def create(p, data: bytes) -> bool:
+    """Writes `p` only if it does not exist yet; False where it does (another writer won)."""
+    if is_remote(p):
+        try:
+            filesystem(p).pipe_file(url(p), data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return True
+
+
+def remove(p) -> None:
+    """Deletes file `p` (nothing where it is gone already)."""
+    if is_remote(p):
+        try:
+            filesystem(p).rm_file(url(p))
+        except FileNotFoundError:
+            pass
+    else:
+        Path(p).unlink(missing_ok=True)
+
+
+def mkdirs(p) -> None:
+    """A directory for `p` (object stores have none: nothing to do)."""
+    if not is_remote(p):
+        Path(p).mkdir(parents=True, exist_ok=True)
+
+
+def move(src, dst) -> None:
+    """Moves a file or folder (object stores: copy then delete, so not atomic)."""
+    if is_remote(src):
+        filesystem(src).mv(url(src), url(dst), recursive=True)
+    else:
+        os.replace(src, dst)
+
+
+# ---- versioned objects (the lease) -----------------------------------------------------
+
+
+class Conflict(Exception):
+    """A conditional write lost: the object was created or changed by another writer."""
+
+
+def read_versioned(p) -> tuple[bytes, str] | None:
+    """(content, version) of object `p`, or None where there is none. The version is the
+    GCS generation or the S3 ETag of exactly the content returned."""
+    name = scheme(p)
+    if name == "gs":
+        blob = _gcs_blob(p)
+        from google.api_core import exceptions as gexc
+        try:
+            data = blob.download_as_bytes()
+        except gexc.NotFound:
+            return None
+        return data, str(blob.generation)
+    fs = filesystem(p)
+    bucket, key, _ = fs.split_path(url(p))
+    try:
+        got = fs.call_s3("get_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None
+    body = got["Body"]
+    import asyncio
+
+    from fsspec.asyn import sync
+    data = sync(fs.loop, body.read) if asyncio.iscoroutinefunction(body.read) else body.read()
+    return data, got["ETag"]
+
+
+def replace_if(p, data: bytes, version: str | None) -> str:
+    """Writes object `p` only if it is still at `version` (None: only if it does not exist);
+    returns the new version, raises Conflict where another writer got there first."""
+    name = scheme(p)
+    if name == "gs":
+        from google.api_core import exceptions as gexc
+        blob = _gcs_blob(p)
+        try:
+            blob.upload_from_string(data, if_generation_match=int(version) if version is not None else 0)
+        except gexc.PreconditionFailed:
+            raise Conflict(url(p)) from None
+        return str(blob.generation)
+    fs = filesystem(p)
+    bucket, key, _ = fs.split_path(url(p))
+    cond = {"IfMatch": version} if version is not None else {"IfNoneMatch": "*"}
+    try:
+        return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
+    except (FileExistsError, OSError) as e:
+        if _precondition(e):
+            raise Conflict(url(p)) from None
+        raise
+
+
+def _precondition(e: BaseException) -> bool:
+    while e is not None:
+        if isinstance(e, FileExistsError) or "PreconditionFailed" in str(e) or "412" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _gcs_client():
+    filesystem("gs://x")  # the extra's check
+    from google.cloud import storage
+    return storage.Client()
+
+
+def _gcs_blob(p):
+    bucket, _, key = url(p)[len("gs://"):].partition("/")
+    return _gcs_client().bucket(bucket).blob(key)

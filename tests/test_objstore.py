@@ -1,0 +1,284 @@
+"""Run directories on object storage (gs://, s3://), against real servers started on loopback
+by the tests (fake-gcs-server, moto): the storage primitives, the committed-step rule, and a
+one-line error naming the extra when a client library is missing."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from async_rl import rundir, storage
+from async_rl.ckpt_layout import committed_steps, temporary_path_class
+
+
+def test_primitives_and_history(bucket):
+    run = storage.run_path(f"{bucket}/runs/a")
+    rundir.check_usable(run)
+    assert rundir.history(run) == {} and not rundir.durable(run)
+    rundir.write_if_changed(run / "config.yaml", "x: 1\n")
+    assert storage.read_text(run / "config.yaml") == "x: 1\n"
+    assert storage.create(run / "once", b"1") and not storage.create(run / "once", b"2")
+    assert storage.read_bytes(run / "once") == b"1"
+    from async_rl.lineage import open_log
+    open_log(run / "lineage.jsonl").append([{"step": 1}])
+    open_log(run / "drops.jsonl").append([])  # nothing written: no history
+    storage.write_atomic(run / "checkpoints" / "1" / "x", b"x")
+    rundir.mark_checkpointed(run, 1)
+    assert rundir.history(run) == {"lineage": 1, "checkpoints": 1} and rundir.durable(run)
+    assert not storage.exists(run / ".restarting")
+
+
+def test_bucket_missing_or_an_object(bucket):
+    with pytest.raises(rundir.RunDirError, match="does not exist"):
+        rundir.check_usable(storage.run_path(bucket + "-nope/run"))
+    storage.write_atomic(storage.run_path(f"{bucket}/obj"), b"x")
+    with pytest.raises(rundir.RunDirError, match="is an object"):
+        rundir.check_usable(storage.run_path(f"{bucket}/obj"))
+
+
+def test_versioned_replace_has_one_winner(bucket):
+    p = storage.run_path(f"{bucket}/lease")
+    assert storage.read_versioned(p) is None
+    storage.replace_if(p, b"a", None)
+    with pytest.raises(storage.Conflict):
+        storage.replace_if(p, b"b", None)
+    data, v = storage.read_versioned(p)
+    storage.replace_if(p, b"c", v)
+    with pytest.raises(storage.Conflict):
+        storage.replace_if(p, b"d", v)  # a stale version loses
+    assert storage.read_versioned(p)[0] == b"c"
+
+
+def test_committed_means_orbax_committed(bucket):
+    """Orbax's own commit record decides: a step written without its commit marker (a save
+    killed half-way) is never listed, whatever its name."""
+    import orbax.checkpoint as ocp
+    d = storage.run_path(f"{bucket}/run/checkpoints")
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False, create=True,
+                                        temporary_path_class=temporary_path_class(d))
+    with ocp.CheckpointManager(d, options=opts) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave({"step": step})))
+        mngr.wait_until_finished()
+        assert committed_steps(d) == [2, 3] == list(mngr.all_steps())
+    assert storage.is_file(d / "3" / "commit_success.txt")
+    storage.write_atomic(d / "4" / "meta" / "metadata", json.dumps({"step": 4}))  # no commit marker
+    assert committed_steps(d) == [2, 3]
+    with ocp.CheckpointManager(d, options=opts) as mngr:
+        assert list(mngr.all_steps()) == [2, 3]
+
+
+@pytest.mark.parametrize("scheme,extra", [("gs", "gcs"), ("s3", "s3")])
+def test_missing_extra_is_one_line_exit_2(tmp_path, scheme, extra):
+    """Without the client library, audit and train name the extra to install (exit 2)."""
+    module = storage.BACKENDS[scheme][1]
+    for args in (["audit", f"{scheme}://b/run"],
+                 ["train", "--config", "configs/tiny.yaml", f"run.dir={scheme}://b/run"]):
+        code = (f"import sys; sys.modules[{module!r}] = None; from async_rl.cli import main; "
+                f"sys.exit(main({args!r}))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert len(err) == 1 and f"async_rl[{extra}]" in err[0], r.stderr[-2000:]
+
+
+def test_lease_has_one_winner(bucket):
+    """Eight contenders at once: the conditional create lets exactly one hold the run."""
+    run = storage.run_path(f"{bucket}/run")
+    locks = [rundir.run_lock(run, 0, lease_s=30) for _ in range(8)]
+    results = [None] * 8
+    barrier = threading.Barrier(8)
+
+    def go(i):
+        barrier.wait(timeout=30)
+        try:
+            locks[i].acquire(run)
+            results[i] = "held"
+        except rundir.RunDirError as e:
+            results[i] = str(e)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert results.count("held") == 1, results
+        assert all(f"pid {os.getpid()} on host {socket.gethostname()}" in r for r in results if r != "held")
+    finally:
+        for lk in locks:
+            lk.release()
+    assert not storage.exists(run / ".lock")  # released by its holder
+
+
+HOLD = """
+import sys, time
+from async_rl import rundir, storage
+run = storage.run_path(sys.argv[1])
+lock = rundir.run_lock(run, 0, lease_s=float(sys.argv[2]))
+lock.acquire(run)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_lease_renewed_refused_then_taken_over(bucket):
+    """A live holder keeps renewing (a second process is refused, named, well past lease_s);
+    once SIGKILLed, its lease is taken over (its pid is gone from this host); a lease from
+    another host is taken over only after lease_s without renewal."""
+    run = storage.run_path(f"{bucket}/run")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run), "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        deadline = time.monotonic() + 5  # 2.5 leases
+        while time.monotonic() < deadline:
+            with pytest.raises(rundir.RunDirError, match=f"in use by pid {holder.pid} on host"):
+                rundir.run_lock(run, 0, lease_s=2).acquire(run)
+            time.sleep(0.5)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    lock = rundir.run_lock(run, 0, lease_s=2)
+    lock.acquire(run)  # at once: the holder's process is gone
+    lock.release()
+
+    doc = {"pid": 1, "host": "elsewhere", "started": time.time(), "renewed": time.time(), "token": "x", "lease_s": 2}
+    storage.write_atomic(run / ".lock", json.dumps(doc))
+    with pytest.raises(rundir.RunDirError, match="in use by pid 1 on host elsewhere"):
+        rundir.run_lock(run, 0, lease_s=2).ensure_free(run)
+    time.sleep(2.5)
+    lock = rundir.run_lock(run, 0, lease_s=2)
+    lock.acquire(run)
+    assert json.loads(storage.read_text(run / ".lock"))["pid"] == os.getpid()
+    lock.release()
+
+
+def test_lease_taken_away_stops_the_holder(bucket):
+    """A holder whose lease another writer replaced learns it at its next renewal and stops
+    at its next step boundary (LockLostError), writing nothing more."""
+    run = storage.run_path(f"{bucket}/run")
+    lock = rundir.run_lock(run, 1, lease_s=1.5)
+    lock.acquire(run)
+    try:
+        assert storage.exists(run / ".lock.p1")
+        lock.check(run)
+        storage.write_atomic(run / ".lock.p1", json.dumps({"pid": 7, "host": "other", "renewed": time.time()}))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                lock.check(run)
+            except rundir.LockLostError as e:
+                assert "pid 7 on host other" in str(e)
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the holder never noticed that its lease was taken")
+    finally:
+        lock.release()
+    assert json.loads(storage.read_text(run / ".lock.p1"))["pid"] == 7  # the new holder's lease is left alone
+
+
+def test_logs_are_segments_cut_back_on_resume(bucket):
+    """lineage/drops/metrics on an object store: one segment object per append (no append
+    there), read back in order; a resume cuts them back to the size a checkpoint recorded,
+    across segment boundaries, and the next session appends after the cut."""
+    from async_rl.lineage import open_log, read_jsonl
+    run = storage.run_path(f"{bucket}/run")
+    log = open_log(run / "lineage.jsonl")
+    log.append([{"step": 1, "i": 0}, {"step": 1, "i": 1}])
+    at_ckpt = log.tell()
+    log.append([{"step": 2, "i": 2}])
+    log.append([{"step": 3, "i": 3}])
+    log.close()
+    assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0, 1, 2, 3]
+    assert storage.log_size(run / "lineage.jsonl") == log.tell() and len(storage.segments(run / "lineage.jsonl")) == 3
+    assert rundir.history(run) == {"lineage": 1}
+
+    again = open_log(run / "lineage.jsonl")  # the next session
+    assert again.tell() == log.tell()
+    one_line = len(json.dumps({"step": 1, "i": 0}, separators=(",", ":"))) + 1
+    assert again.truncate(one_line) == log.tell() - one_line  # inside the first segment
+    assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0]
+    again.append([{"step": 2, "i": 5}])
+    assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0, 5]
+    assert again.truncate(at_ckpt) == 0 and again.tell() == storage.log_size(run / "lineage.jsonl")
+
+
+TINY = ["--config", "configs/tiny.yaml", "log.progress=false", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
+        "model.n_kv_heads=2", "engine.max_concurrent_decodes=16", "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=6", "data.max_digits=4", "eval.every_steps=0", "data.num_records=36",
+        "rollout.prompts_per_step=3", "checkpoint.every_steps=1", "run.lease_s=20"]
+
+
+def _train(run: str, cache, kill_at: str = "", delay: str = "") -> subprocess.Popen:
+    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "async_rl", "train", *TINY, f"run.dir={run}",
+                             f"run.compilation_cache={cache}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _last_step(run) -> int:
+    from async_rl.lineage import read_jsonl
+    return max((r["step"] for r in read_jsonl(storage.run_path(run) / "lineage.jsonl")), default=0)
+
+
+def _wait_past(run: str, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _last_step(run) > step:
+            return
+        time.sleep(0.3)
+    assert proc.poll() is None, f"the run ended before step {step + 1}: {proc.stderr.read()[-2000:]}"
+    pytest.fail(f"no lineage line past step {step} within {timeout:.0f} s")
+
+
+@pytest.mark.slow
+def test_gs_run_killed_four_times_resumes_exactly_once(gcs_endpoint, xla_cache):
+    """A tiny run on gs:// (fake-gcs-server): SIGKILLed inside a checkpoint save and three times
+    at random moments, each restart resumes (a stale lease of a killed process is taken over,
+    a half-written step is never restored), a second train on the same prefix meanwhile exits 2
+    naming the holder, the run ends, and `async-rl audit gs://...` proves every prompt trained
+    once."""
+    import random
+
+    from objstore import new_bucket
+    run = f"{new_bucket('gs')}/run"
+    ckpt = storage.run_path(run) / "checkpoints"
+    rng = random.Random(27)
+    kills = 0
+
+    p = _train(run, xla_cache, kill_at="ckpt_write:2")  # inside the ledger write of step 2's save
+    assert p.wait(timeout=600) == -9, p.stderr.read()[-3000:]
+    kills += 1
+    assert 2 not in committed_steps(ckpt) and storage.listdir(ckpt / "2"), "step 2 should be half-written"
+
+    for i in range(3):
+        p = _train(run, xla_cache, delay="step:20" if i == 0 else "step:0.3")  # the first holds while probed
+        try:
+            _wait_past(run, p, _last_step(run))
+            if i == 0:  # a second train on the prefix in use: exit 2 naming the holder, nothing changed
+                second = subprocess.run([sys.executable, "-m", "async_rl", "train", *TINY, f"run.dir={run}",
+                                         f"run.compilation_cache={xla_cache}"], capture_output=True, text=True,
+                                        timeout=600)
+                assert second.returncode == 2, second.stderr[-3000:]
+                assert f"in use by pid {p.pid} on host {socket.gethostname()}" in second.stderr
+            time.sleep(rng.uniform(0, 1.5))
+        finally:
+            p.kill()
+            code = p.wait(timeout=60)
+        assert code == -9, p.stderr.read()[-3000:]
+        kills += 1
+
+    p = _train(run, xla_cache)
+    assert p.wait(timeout=900) == 0, p.stderr.read()[-3000:]
+    assert kills == 4
+    audit = subprocess.run([sys.executable, "-m", "async_rl", "audit", "--json", run], capture_output=True, text=True,
+                           timeout=300)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    rep = json.loads(audit.stdout)
+    assert rep["finished"] and rep["epochs"][0]["trained_once"] == 36 and not rep["problems"]
+    assert not storage.exists(storage.run_path(run) / ".lock")  # released at the end
