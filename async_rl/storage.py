@@ -65,7 +65,11 @@ def _fs(name: str):
         raise MissingExtra(f"{name}:// run directories need the {module} client: pip install 'async_rl[{extra}]'") \
             from None
     import fsspec
-    # listings are read fresh: another process (or host) may have written since
+    import fsspec.config
+    # listings are read fresh: another process (or host) may have written since. The config
+    # default reaches the instances Orbax and etils.epath make for the same protocol too.
+    for proto in (name, "gcs") if name == "gs" else (name, "s3a"):
+        fsspec.config.conf.setdefault(proto, {})["use_listings_cache"] = False
     return fsspec.filesystem(name, use_listings_cache=False, skip_instance_cache=True)
 
 
