@@ -92,6 +92,7 @@ class TokenizerConfig:
     path: str = ""  # directory with tokenizer.json (a Hugging Face tokenizer)
     template: str = "{prompt}"  # prompt template; {prompt} is replaced by the record's prompt
     chat: bool = False  # wrap the prompt with the tokenizer's chat template
+    reply_prefix: str = ""  # text the reply starts with, put at the end of the prompt (after the chat format)
 
     def __post_init__(self):
         _one_of("tokenizer.kind", self.kind, ("auto", "hf", "byte", "char"))

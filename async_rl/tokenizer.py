@@ -144,11 +144,11 @@ def _token_text(value: Any) -> Optional[str]:
 class HFTokenizer:
     """A Hugging Face fast tokenizer loaded from `DIR/tokenizer.json`."""
 
-    def __init__(self, path: str, template: str = "{prompt}", chat: bool = False):
+    def __init__(self, path: str, template: str = "{prompt}", chat: bool = False, reply_prefix: str = ""):
         from tokenizers import Tokenizer as _HFTok
 
         self.path = Path(path).expanduser()
-        self.template = template
+        self.template, self.reply_prefix = template, reply_prefix
         tj = self.path / "tokenizer.json"
         if not tj.is_file():
             raise ConfigError(f"tokenizer.path={path!r}: no tokenizer.json in that directory")
@@ -261,11 +261,12 @@ class HFTokenizer:
                                             add_generation_prompt=True, **specials)
 
     def chat_text(self, prompt: str) -> str:
-        """The text a prompt is encoded from: template applied, then the chat format."""
+        """The text a prompt is encoded from: template applied, then the chat format, then
+        the reply prefix (so the reply continues it)."""
         text = _render(self.template, prompt)
         if self._chat_template is not None:
-            return self._chat_template(text)
-        return self._chat_prefix + text + self._chat_suffix
+            return self._chat_template(text) + self.reply_prefix
+        return self._chat_prefix + text + self._chat_suffix + self.reply_prefix
 
     def encode(self, text: str) -> list[int]:
         # Special-token strings in the text are matched, as apply_chat_template does.
@@ -294,8 +295,9 @@ def build_tokenizer(cfg: TokenizerConfig, *, synthetic: bool = False):
     if kind == "hf":
         if not cfg.path:
             raise ConfigError("tokenizer.kind=hf: needs tokenizer.path (a directory with tokenizer.json)")
-        return HFTokenizer(cfg.path, cfg.template, cfg.chat)
+        return HFTokenizer(cfg.path, cfg.template, cfg.chat, cfg.reply_prefix)
     if cfg.chat:
         raise ConfigError(f"tokenizer.chat=true: the built-in {kind} tokenizer has no chat "
                           "template; set tokenizer.path to a tokenizer that has one")
-    return CharTokenizer(cfg.template) if kind == "char" else ByteTokenizer(cfg.template)
+    template = cfg.template + cfg.reply_prefix
+    return CharTokenizer(template) if kind == "char" else ByteTokenizer(template)

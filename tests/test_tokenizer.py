@@ -167,6 +167,11 @@ def test_hf_chat_renders_the_models_own_template(tmp_path):
     assert raw.decode(list(tok.encode_prompt("2+2?")), skip_special_tokens=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ: 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert raw.token_to_id("<|im_end|>") in tok.stop_ids
+    # a reply prefix follows the assistant header (chat) or the template (no chat)
+    assert HFTokenizer(str(d), template="Q: {prompt}", chat=True, reply_prefix="The answer is").chat_text(
+        "2+2?").endswith("<|im_end|>\n<|im_start|>assistant\nThe answer is")
+    assert build_tokenizer(TokenizerConfig(path=str(d), template="Q: {prompt}\nA:", reply_prefix=" It is")
+                           ).chat_text("2+2?") == "Q: 2+2?\nA: It is"
     # without chat=true the template is not applied
     assert HFTokenizer(str(d), chat=False).chat_text("x") == "x"
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": "{% if %}"}))
