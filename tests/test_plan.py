@@ -141,7 +141,7 @@ def test_tpu_multi_step_decode_writes_the_cache_once_per_call():
     assert per_step[8] < per_step[1] / 2.5, per_step
 
 
-@pytest.mark.soak  # two processes and a TPU compile: `make plan-ci` runs it (-k tpu), `make test` does not
+@pytest.mark.soak  # two processes and a TPU compile: `make soak` runs it once `make plan-ci` put libtpu in .venv
 def test_tpu_plan_while_a_train_runs(tmp_path):
     """libtpu's host-wide lockfile: a CPU train does not load libtpu, and `plan` loads it
     without the lock, so a plan succeeds while a train runs in the same environment."""
