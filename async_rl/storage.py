@@ -66,11 +66,11 @@ def _fs(name: str):
             from None
     import fsspec
     import fsspec.config
-    # listings are read fresh: another process (or host) may have written since. The config
-    # default reaches the instances Orbax and etils.epath make for the same protocol too.
-    for proto in (name, "gcs") if name == "gs" else (name, "s3a"):
-        fsspec.config.conf.setdefault(proto, {})["use_listings_cache"] = False
-    return fsspec.filesystem(name, use_listings_cache=False, skip_instance_cache=True)
+    # listings are read fresh: another process (or host) may have written since. A config
+    # default (applied by every class whose protocols include `name`) reaches the instances
+    # Orbax and etils.epath make too, not only ours.
+    fsspec.config.conf.setdefault(name, {})["use_listings_cache"] = False
+    return fsspec.filesystem(name, skip_instance_cache=True)
 
 
 def filesystem(p):

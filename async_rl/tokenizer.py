@@ -265,8 +265,10 @@ class HFTokenizer:
         the reply prefix (so the reply continues it)."""
         text = _render(self.template, prompt)
         if self._chat_template is not None:
-            return self._chat_template(text) + self.reply_prefix
-        return self._chat_prefix + text + self._chat_suffix + self.reply_prefix
+            text = self._chat_template(text)
+        else:
+            text = self._chat_prefix + text + self._chat_suffix
+        return text + self.reply_prefix
 
     def encode(self, text: str) -> list[int]:
         # Special-token strings in the text are matched, as apply_chat_template does.

