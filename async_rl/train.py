@@ -350,6 +350,7 @@ class Session:
         if self.evaluator is not None:
             log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
         self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
+        self.last_step = _total_steps(cfg, parts.pd)  # where max_steps or the data ends the run
         self.params_e = params_e
         self.clock = StepClock()
         self.rates = Rates()
@@ -499,7 +500,8 @@ class Session:
         if self.save_blocking_s is not None:
             host["ckpt/save_blocking_s"] = self.save_blocking_s  # the save after the previous step
             self.save_blocking_s = None
-        if self.evaluator is not None and self.step % cfg.eval.every_steps == 0:
+        # the last step is scored here too: a checkpoint at it flushes its row before finish() could
+        if self.evaluator is not None and (self.step % cfg.eval.every_steps == 0 or self.step == self.last_step):
             host.update(self.evaluate())
         self.pending = (self.step, dev_metrics, host)
 
@@ -661,7 +663,11 @@ def report(parts: Parts, s: Session, log) -> RunResult:
                 log(f"reward curve: {parts.run_dir / 'reward.png'}")
         except OSError as e:  # the run is saved; only the picture is missing
             log(f"warning: {parts.run_dir / 'reward.png'} not written ({e.strerror or e})")
-        _report(cfg, res, s.history, time.perf_counter() - s.t_start, log)
+        try:  # the run's kept rows: a resumed session's "before" is the run's first eval, not its own
+            run_rows = [r for r in read_jsonl(parts.run_dir / "metrics.jsonl") if r.get("step", 0) <= s.step]
+        except (OSError, ValueError):
+            run_rows = s.history
+        _report(cfg, res, run_rows or s.history, time.perf_counter() - s.t_start, log)
     return res
 
 
@@ -705,13 +711,16 @@ def _total_steps(cfg: Config, pd) -> int:
 
 
 def _report(cfg: Config, res: RunResult, history: list[dict], wall: float, log) -> None:
+    """The end-of-run line; `history` is every metrics row the run kept (all sessions)."""
     if res.reward_first is None:
         log(f"stopped at step {res.step} ({res.reason}); no step trained in this process")
         return
     target = cfg.train.reward_target
-    hit = next((h for h in history if h.get("rollout/reward_mean", 0) >= target), None)
-    msg = (f"done: step {res.step} ({res.reason}) in {wall:.0f}s; mean reward {res.reward_first:.3f} -> "
-           f"{res.reward_last:.3f} (last 5 steps)")
+    hit = next((h for h in history if (h.get("rollout/reward_mean") or 0) >= target), None)
+    rewards = [h["rollout/reward_mean"] for h in history if h.get("rollout/reward_mean") is not None]
+    first, last = (rewards[0], float(np.mean(rewards[-5:]))) if rewards else (res.reward_first, res.reward_last)
+    msg = (f"done: step {res.step} ({res.reason}) in {wall:.0f}s; mean reward {first:.3f} -> {last:.3f} "
+           "(last 5 steps)")
     msg += f"; reached {target} at step {hit['step']}" if hit is not None else f"; did not reach {target}"
     evals = [h for h in history if "eval/accuracy" in h]
     if evals:

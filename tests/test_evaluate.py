@@ -68,6 +68,10 @@ def test_eval_at_start_scores_the_starting_weights_once(tmp_path, xla_cache):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = _metrics(tmp_path)
     assert [x["step"] for x in rows] == [0, 1, 2, 3]
+    # its end line compares with the run's start (step 0, kept from the first session), not its own first eval
+    done = r.stderr.strip().splitlines()[-1]
+    assert f"held-out accuracy {rows[0]['eval/accuracy']:.3f} -> {rows[3]['eval/accuracy']:.3f} (step 3)" in done
+    assert f"mean reward {rows[1]['rollout/reward_mean']:.3f} -> " in done
     with pytest.raises(C.ConfigError, match="eval.at_start.*needs eval.every_steps > 0"):
         C.load("configs/tiny.yaml", ["eval.every_steps=0", "eval.at_start=true"])
 
