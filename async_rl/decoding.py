@@ -1,7 +1,8 @@
 """Decoding over an Engine: the continuous-batching driver and the reference decoder.
 
-Owns: `generate_all` (fill free slots, decode chunks of `engine.steps_per_call` tokens,
-retire finished samples, refill, used by evaluation and the benchmarks), `chunk_ends`
+Owns: `generate_all` (fill free slots, decode chunks of `steps_per_call` tokens, retire
+finished samples, refill, through the same `rollout.Rollout` interface the pump drives;
+used by evaluation and the benchmarks), `chunk_ends`
 (where each slot's sample ends in a chunk; the pump uses it too) and `naive_generate`, a
 cache-free decoder that recomputes the whole row per token with the engine's sampling and
 keys (the engine's tests compare against it). Does not own: the compiled programs, KV
@@ -18,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from async_rl.config import ModelConfig
-from async_rl.engine import Engine, Prefix, sample_token, token_key
+from async_rl.engine import sample_token, token_key
 from async_rl.model import layout
+from async_rl.rollout import BuiltinRollout, Rollout, Start
 
 
 @dataclasses.dataclass
@@ -42,64 +44,64 @@ def chunk_ends(tokens_KxS: np.ndarray, room_S: np.ndarray, stops) -> tuple[np.nd
     return np.where(ended_S, end_KxS.argmax(axis=0) + 1, k), ended_S
 
 
-def generate_all(engine: Engine, params, prompts: list[np.ndarray], *, samples: int = 1,
+def generate_all(backend, params, prompts: list[np.ndarray], *, samples: int = 1,
                  eos_id: int | tuple[int, ...] | None, ordinals: list[int] | None = None,
-                 max_tokens: list[list[int]] | None = None) -> list[list[Completion]]:
-    """Continuous batching: fill free slots, step, retire finished samples, refill.
+                 max_tokens: list[list[int]] | None = None, max_new_tokens: int | None = None
+                 ) -> list[list[Completion]]:
+    """Continuous batching over the rollout interface the pump drives: fill free slots, step,
+    retire finished samples, refill.
+
+    `backend` is a `rollout.Rollout` (it holds its weights; `params` is unused) or an `Engine`
+    with `params`, driven through `BuiltinRollout` with one prefill per prompt, shared by its
+    samples (so a result never depends on which prompts were batched with it).
 
     Returns completions indexed [prompt][sample]. A sample ends at `eos_id` (one id or a tuple
-    of stop ids; kept as its last token) or after `engine.max_new_tokens` tokens (or
-    `max_tokens[i][s]` for sample s of prompt i, when given); `eos_id=None` never stops early.
+    of stop ids; kept as its last token) or after `max_new_tokens` tokens (by default the
+    engine's; or `max_tokens[i][s]` for sample s of prompt i, when given); `eos_id=None`
+    never stops early.
 
-    `engine.steps_per_call` tokens per call; after each call only the ends are found on the
-    host (vectorised) before the freed slots are refilled and the next call dispatched, and
-    the tokens are appended to their samples while the device computes it."""
+    After each chunk only the ends are found on the host (vectorised) before the freed slots
+    are refilled and the next chunk dispatched, and the tokens are appended to their samples
+    while the backend computes it."""
+    ro = backend if isinstance(backend, Rollout) else BuiltinRollout(backend, params, 0, prefill_rows=1)
     stops = frozenset(() if eos_id is None else (eos_id,) if isinstance(eos_id, int) else eos_id)
     ordinals = list(range(len(prompts))) if ordinals is None else list(ordinals)
-    n_max = engine.max_new_tokens
+    n_max = max_new_tokens or backend.max_new_tokens
     waiting = [(i, s) for i in range(len(prompts)) for s in range(samples)]
     waiting.reverse()
     out: list[list[Completion | None]] = [[None] * samples for _ in prompts]
-    running: list[_Row | None] = [None] * engine.max_concurrent_decodes
-    state = engine.init_decode_state()
-    prefix_of: tuple[int, Prefix] | None = None  # samples of one prompt share its prefill
+    running: list[_Row | None] = [None] * ro.capacity
     fetched = None  # the last chunk on the host, its ends found, its tokens not yet appended
     while waiting or any(running) or fetched is not None:
-        todo: list = []  # (slot, sample) of one prompt: inserted together from its prefill
+        starts, started = [], []
         for slot, row in enumerate(running):
             if row is None and waiting:
                 i, s = waiting.pop()
-                if prefix_of is None or prefix_of[0] != i:
-                    if todo:
-                        state = engine.insert_many(prefix_of[1], state, todo)
-                    prefix_of, todo = (i, engine.prefill(params, prompts[i])), []
-                todo.append((slot, 0, ordinals[i], s))
                 limit = n_max if max_tokens is None else max(1, min(int(max_tokens[i][s]), n_max))
                 running[slot] = _Row(i, s, limit)
-        if todo:
-            state = engine.insert_many(prefix_of[1], state, todo)
-        chunk = None
+                starts.append(Start(slot, ordinals[i], s, np.asarray(prompts[i], np.int32), (), limit))
+                if s == samples - 1:
+                    started.append(ordinals[i])
+        if starts:
+            ro.start(starts)
+            ro.forget(started)  # every sample of these prompts is in a slot: their prefill may go
+        pending = None
         if any(running):
-            state, tokens_KxS, logprobs_KxS = engine.generate_steps_async(params, state)
-            chunk = (tokens_KxS, logprobs_KxS, list(running))
-        if fetched is not None:  # while the device computes the chunk just dispatched
+            pending = (ro.step([r is not None for r in running]), list(running))
+        if fetched is not None:  # while the backend computes the chunk just dispatched
             _append(*fetched, out)
         fetched = None
-        if chunk is not None:
-            tokens_KxS, logprobs_KxS, rows = chunk
-            tokens_KxS, logprobs_KxS = np.asarray(tokens_KxS), np.asarray(logprobs_KxS)
+        if pending is not None:
+            handle, rows = pending
+            chunk = ro.collect(handle)
             room_S = np.asarray([0 if r is None else r.limit - r.n for r in rows])
-            take_S, ended_S = chunk_ends(tokens_KxS, room_S, stops)
-            idle = []  # ended slots nothing will refill: they stop advancing
+            take_S, ended_S = chunk_ends(chunk.tokens_KxS, room_S, stops)
             for slot, r in enumerate(rows):
                 if r is not None:
                     r.n += int(take_S[slot])
                     if ended_S[slot]:
-                        running[slot] = None
-                        if not waiting:
-                            idle.append(slot)
-            state = engine.free_many(state, idle)
-            fetched = (tokens_KxS, logprobs_KxS, rows, take_S, ended_S)
+                        running[slot] = None  # refilled above, or stopped by the next step
+            fetched = (chunk.tokens_KxS, chunk.logprobs_KxS, rows, take_S, ended_S)
     return out  # type: ignore[return-value]
 
 
