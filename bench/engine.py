@@ -7,12 +7,15 @@ Fair baseline (first table): the same sequences (prompts x samples, each with a 
 through (a) a static-batch decoder in the shape of flax's gemma sampler: one jitted call
 prefills a batch of rows at width P and decodes them in one `lax.while_loop` with a KV
 cache until every row reached its length (a finished row idles; nothing refills it), and
-(b) the engine's continuous batching (`generate_all`, `engine.steps_per_call` tokens per
-call, freed slots refilled). Equal batch (rows = slots); both sample with the same keys,
-include prefill, and count only the tokens up to each row's length. `equal lengths`: every
+(b) each rollout backend of `--backend` (builtin: the engine; vllm: vLLM in-process, on the
+same weights written as a Hugging Face Qwen2 directory) driven as the pump drives it:
+chunks of `engine.steps_per_call` tokens, freed slots refilled. Equal batch (rows = slots),
+the same sampling settings (temperature 1, no top-k/top-p); all include prefill and count
+only the tokens up to each row's length. `equal lengths`: every
 row runs N tokens (target: engine >= 1.0x); `varied lengths`: each row's length is drawn
 uniformly from [1, N], standing in for EOS at random points as in RL (the engine learns of
-an end when it reads the chunk, as with EOS; target: engine >= 1.5x).
+an end when it reads the chunk, as with EOS; target: engine >= 1.5x). With both backends a
+line per lengths gives vllm vs builtin (measured side by side, alternating).
 
 Full recompute (second table): recomputes the whole fixed-width row (P + N columns, as
 in the shared layout, so it compiles once) for every new token, batched over the same
@@ -29,6 +32,7 @@ is known, e.g. on CPU), summed over the N steps. Target on an accelerator: >= 50
     python bench/engine.py                      # small preset, 32 slots, up to 128 tokens
     python bench/engine.py --config configs/tiny.yaml --new-tokens 64 --waves 8
     python bench/engine.py --naive-steps 2 --dtype bfloat16
+    .venv-vllm/bin/python bench/engine.py --parts fair --backend builtin,vllm   # needs the [vllm] extra
     python bench/engine.py --parts roofline --config configs/plan/qwen2.5-0.5b.yaml --vocab 151936 \
         --dtype bfloat16 --sequences 256 --prompt-len 512 --new-tokens 1536   # 0.5B shape, accelerator
 """
@@ -48,7 +52,8 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (bench/common.py, beside this file)
+import backends  # noqa: E402  (bench/backends.py, beside this file)
+import common  # noqa: E402
 
 from async_rl import config as cfg_lib
 from async_rl.decoding import generate_all
@@ -76,12 +81,16 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", default="fair,recompute,roofline",
                     help="comma list: fair (static-batch baseline), recompute (full recompute), roofline (HBM)")
+    ap.add_argument("--backend", default="builtin",
+                    help="fair: comma list of rollout backends, builtin and/or vllm (the [vllm] extra; the model "
+                         "gets Qwen2's q/k/v biases and is written as a Hugging Face directory vLLM reads)")
     ap.add_argument("--hbm-gbps", type=float, default=0.0,
                     help="roofline: HBM bandwidth in GB/s; 0 = the chip's published figure (none on CPU)")
     args = ap.parse_args()
     bad = set(args.parts.split(",")) - {"fair", "recompute", "roofline"}
     if bad or not args.parts:
         ap.error(f"--parts: unknown {sorted(bad)} (known: fair, recompute, roofline)")
+    args.backends = backends.parse(args.backend)
     return args
 
 
@@ -199,34 +208,32 @@ def run_static(run, params, rows, p: int, batch: int):
     return time.perf_counter() - t0, steps, useful
 
 
-def run_continuous(eng: Engine, params, prompts, samples: int, limits):
+def run_continuous(r, prompts, samples: int, limits):
     t0 = time.perf_counter()
-    out = generate_all(eng, params, prompts, samples=samples, eos_id=None, max_tokens=limits)
-    dt = time.perf_counter() - t0
-    useful = sum(len(c.tokens) for per in out for c in per)
+    useful = backends.rollout_all(r, prompts, samples, limits)
     assert useful == sum(map(sum, limits)), (useful, sum(map(sum, limits)))
-    return dt, useful
+    return time.perf_counter() - t0, useful
 
 
-def compare(name: str, eng: Engine, ep, run, prompts, samples: int, limits, p: int, batch: int, repeats: int):
-    """Both decoders on the same rows (prompt x sample, ordinal = prompt index, its length
-    limit), alternating, `repeats` times each; the fastest run of each counts (the others
-    were slowed by whatever else ran on the machine)."""
+def compare(name: str, rollouts: dict, ep, run, prompts, samples: int, limits, p: int, batch: int, repeats: int):
+    """The static decoder and every backend on the same rows (prompt x sample, ordinal =
+    prompt index, its length limit), alternating, `repeats` times each; the fastest run of
+    each counts (the others were slowed by whatever else ran on the machine)."""
     rows = [(x, i, s, limits[i][s]) for i, x in enumerate(prompts) for s in range(samples)]
-    st, en = [], []
+    st, en = [], {b: [] for b in rollouts}
     for _ in range(repeats):
         st.append(run_static(run, ep, rows, p, batch))
-        en.append(run_continuous(eng, ep, prompts, samples, limits))
+        for b, r in rollouts.items():
+            en[b].append(run_continuous(r, prompts, samples, limits))
     st_s, st_steps, st_useful = min(st)
-    en_s, en_useful = min(en)
-    assert st_useful == en_useful
-    return {"name": name, "static_tps": st_useful / st_s, "engine_tps": en_useful / en_s, "static_s": st_s,
-            "engine_s": en_s, "tokens": en_useful, "static_steps": st_steps}
+    secs = {b: min(runs)[0] for b, runs in en.items()}
+    return {"name": name, "static_tps": st_useful / st_s, "static_s": st_s, "static_steps": st_steps,
+            "tokens": st_useful, "secs": secs, "tps": {b: st_useful / t for b, t in secs.items()}}
 
 
-def fair(args, eng: Engine, ep, graphdef, rs, p: int, n_new: int, s: int, k: int) -> None:
-    """The first table: the same rows through the static-batch decoder and the engine."""
-    g = args.samples
+def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: int) -> None:
+    """The first table: the same rows through the static-batch decoder and each backend."""
+    g, ep = args.samples, st.params
     n_prompts = args.waves * s // g
     base_prompts = [rs.randint(0, args.vocab, rs.randint(p // 2, p + 1)).astype(np.int32) for _ in range(n_prompts)]
     run = static_decoder(graphdef, args.seed, p, n_new)
@@ -235,21 +242,38 @@ def fair(args, eng: Engine, ep, graphdef, rs, p: int, n_new: int, s: int, k: int
     print(f"compile: static batch {time.perf_counter() - t0:.1f} s")
     equal = [[n_new] * g for _ in range(n_prompts)]
     varied = rs.randint(1, n_new + 1, (n_prompts, g)).tolist()  # per sequence, like an EOS drawn at random
-    comps = [compare(name, eng, ep, run, base_prompts, g, lim, p, s, args.repeats)
+    rollouts, labels = {}, {"builtin": f"builtin engine, continuous batching (K={k})"}
+    for b in args.backends:
+        rollouts[b], start_s = backends.make(b, st)
+        t0 = time.perf_counter()
+        run_continuous(rollouts[b], base_prompts, g, varied)  # compiles what the timed runs meet
+        print(f"warm-up: {b} start {start_s:.1f} s, one untimed pass {time.perf_counter() - t0:.1f} s")
+    if "vllm" in rollouts:
+        import vllm
+        labels["vllm"] = f"vLLM {vllm.__version__} in-process, continuous batching (chunks of K={k})"
+    comps = [compare(name, rollouts, ep, run, base_prompts, g, lim, p, s, args.repeats)
              for name, lim in (("equal lengths", equal), ("varied lengths", varied))]
     print(f"\nfair baseline: {n_prompts} prompts x {g} samples = {n_prompts * g} sequences, batch = slots = {s}, "
-          f"prompt width P={p}, up to N={n_new} tokens, temperature 1; both end a sequence at its length, "
+          f"prompt width P={p}, up to N={n_new} tokens, temperature 1; all end a sequence at its length, "
           f"count only those tokens, and include prefill; fastest of {args.repeats} alternating runs each")
     rows = []
     for c in comps:
-        rows.append([c["name"], "static batch, KV cache, lax.while_loop", f"{c['static_tps']:,.0f}",
+        rows.append([c["name"], "baseline: static batch, KV cache, lax.while_loop", f"{c['static_tps']:,.0f}",
                      f"{c['static_s']:.2f} s", f"{c['static_steps']} decode steps"])
-        rows.append([c["name"], f"engine, continuous batching (generate_all, K={k})", f"{c['engine_tps']:,.0f}",
-                     f"{c['engine_s']:.2f} s", f"{c['tokens']} useful tokens"])
+        rows += [[c["name"], labels[b], f"{c['tps'][b]:,.0f}", f"{c['secs'][b]:.2f} s", f"{c['tokens']} useful tokens"]
+                 for b in rollouts]
     common.print_table(["lengths", "decoder", "useful tok/s", "time", "work"], rows, align="<<>><")
     for c, thr in zip(comps, (1.0, 1.5)):
-        r = c["engine_tps"] / c["static_tps"]
-        print(f"{c['name']}: engine vs static batch {r:.2f}x   target >= {thr:.1f}x: {'met' if r >= thr else 'NOT met'}")
+        if "builtin" in rollouts:
+            r = c["tps"]["builtin"] / c["static_tps"]
+            print(f"{c['name']}: engine vs static batch {r:.2f}x   target >= {thr:.1f}x: "
+                  f"{'met' if r >= thr else 'NOT met'}")
+        if "vllm" in rollouts:
+            print(f"{c['name']}: vllm vs static batch {c['tps']['vllm'] / c['static_tps']:.2f}x")
+        if len(rollouts) == 2:
+            print(f"{c['name']}: vllm vs builtin: {c['tps']['vllm'] / c['tps']['builtin']:.2f}x")
+    for r in rollouts.values():
+        getattr(r, "close", lambda: None)()
 
 
 def recompute(args, eng: Engine, ep, graphdef, prompts, p: int, n_new: int, s: int) -> None:
@@ -334,6 +358,8 @@ def main():
     parts = args.parts.split(",")
     cfg = cfg_lib.load(args.config)
     model_cfg = dataclasses.replace(cfg.model, dtype=args.dtype, param_dtype=args.dtype)
+    if "vllm" in args.backends:  # a Qwen2 checkpoint vLLM can read
+        model_cfg = dataclasses.replace(model_cfg, qkv_bias=True, learned_positions=0)
     p = args.prompt_len or cfg.engine.max_prompt_len
     n_new, s = args.new_tokens, args.sequences
     graphdef, params = nnx.split(Transformer(model_cfg, args.vocab, rngs=nnx.Rngs(args.seed)))
@@ -343,9 +369,12 @@ def main():
     dev = jax.devices()[:1]
     k = args.steps_per_call or cfg_lib.EngineConfig().steps_per_call
 
+    sampling = dict(temperature=1.0, top_k=0, top_p=1.0)
     eng = Engine(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
-                 temperature=1.0, top_k=0, top_p=1.0, seed=args.seed, devices=dev, steps_per_call=k)
+                 seed=args.seed, devices=dev, steps_per_call=k, **sampling)
     ep = eng.load_params(params)
+    ckpt = backends.write_checkpoint(params, model_cfg, args.vocab, args.dtype) if "vllm" in args.backends else None
+    st = backends.Setup(eng, sampling, ep, model_cfg, args.vocab, args.dtype, args.seed, ckpt and ckpt.name)
     print(f"model: {args.config} model section, {n_params / 1e6:.1f}M params, vocab {args.vocab}, "
           f"{args.dtype} on {jax.default_backend()} ({dev[0].device_kind}), "
           f"{model_cfg.n_layers} layers d={model_cfg.d_model} H={model_cfg.n_heads} "
@@ -358,7 +387,7 @@ def main():
         generate_all(eng, ep, prompts[:1], eos_id=None)  # every decode window
         print(f"compile: engine {time.perf_counter() - t0:.1f} s (prefill+insert+generate, K={k})")
     if "fair" in parts:
-        fair(args, eng, ep, graphdef, rs, p, n_new, s, k)
+        fair(args, st, graphdef, rs, p, n_new, s, k)
     if "recompute" in parts:
         recompute(args, eng, ep, graphdef, prompts, p, n_new, s)
     if "roofline" in parts:

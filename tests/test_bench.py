@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -20,6 +22,18 @@ def test_engine_bench_runs_every_part():
     for line in ("equal lengths: engine vs static batch", "varied lengths: engine vs static batch",
                  "speedup (engine decode vs naive full recompute)", "engine decode vs HBM roofline (--hbm-gbps 20"):
         assert line in r.stdout, r.stdout[-3000:]
+
+
+def test_engine_bench_without_vllm_names_the_extra():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "bench/engine.py", "--backend", "builtin,vllm"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-2000:])
+    assert len(r.stderr.strip().splitlines()) == 1 and "[vllm] extra" in r.stderr, r.stderr[-2000:]
 
 
 def test_disjoint_hardware_simulation_runs_the_real_pump():

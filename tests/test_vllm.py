@@ -23,18 +23,29 @@ def test_vllm_backend_refuses_deterministic_mode():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from async_rl.vllm_rollout import VLLMRollout, available
+def checkpoint(tmp_path_factory):
+    from async_rl.vllm_rollout import available
 
     if (why := available()) is not None:
         pytest.skip(why)
     # head_dim 32: vLLM's CPU attention has no kernel for 16
     hc = dict(CONFIGS["qwen2"], num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     path = write_checkpoint(tmp_path_factory.mktemp("qwen2"), hc, random_weights(hc))
-    mcfg, params, graphdef, _ = load(path)
-    r = VLLMRollout(hf_path=str(path), slots=SLOTS, steps_per_call=K, max_prompt_len=P, max_new_tokens=N,
-                    temperature=T, top_k=0, top_p=1.0, seed=0, stop_ids=(0,), dtype="float32",
-                    tie_embeddings=True, gpu_memory_utilization=0.5, cpu_kv_cache_gib=1, n_tokens=NT)
+    return (path, *load(path))
+
+
+def rollout(path, **sampling):
+    from async_rl.vllm_rollout import VLLMRollout
+
+    return VLLMRollout(hf_path=str(path), slots=SLOTS, steps_per_call=K, max_prompt_len=P, max_new_tokens=N,
+                       temperature=T, seed=0, stop_ids=(0,), dtype="float32", tie_embeddings=True,
+                       gpu_memory_utilization=0.5, cpu_kv_cache_gib=1, n_tokens=NT, **sampling)
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoint):
+    path, mcfg, params, graphdef, _ = checkpoint
+    r = rollout(path, top_k=0, top_p=1.0)
     yield r, mcfg, params, graphdef
     r.close()
 
@@ -67,15 +78,18 @@ def run(r, starts, swap_after=None, new=None):
     return out
 
 
-def learner_logprobs(graphdef, params, context, tokens):
-    """log softmax(logits / T) over the tokenizer's ids of each token given everything before
-    it (teacher forcing)."""
+def scaled_logits(graphdef, params, context, tokens):
+    """logits / T over the tokenizer's ids where each of `tokens` was drawn (teacher forcing)."""
     seq = np.concatenate([context, np.asarray(tokens, np.int32)])[None]
     logits = our_logits(graphdef, params, seq, np.arange(seq.shape[1])[None].astype(np.int32))[0].astype(np.float64)
-    z = logits[:, :NT] / T
+    return logits[len(context) - 1:-1, :NT] / T
+
+
+def learner_logprobs(graphdef, params, context, tokens):
+    """log softmax(logits / T) over the tokenizer's ids of each token given everything before it."""
+    z = scaled_logits(graphdef, params, context, tokens)
     lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
-    pos = np.arange(len(context) - 1, seq.shape[1] - 1)
-    return z[pos, seq[0, pos + 1]] - lse[pos]
+    return z[np.arange(len(tokens)), tokens] - lse
 
 
 def perturbed(params, seed=1):
@@ -136,3 +150,32 @@ def test_hf_arrays_name_every_tensor(setup):
     _, _, params, _ = setup
     names = {n for n, _ in hf.hf_arrays(params)}
     assert "model.embed_tokens.weight" in names and "model.layers.1.self_attn.q_proj.bias" in names
+
+
+TOP_K, TOP_P = 5, 0.8
+
+
+def test_behaviour_logprobs_with_top_k_and_top_p_are_the_learners(checkpoint):
+    """Top-k and top-p restrict what is drawn; the behaviour logprobs stay the learner's (log
+    softmax(logits / T) before truncation, as the built-in engine's `sample_token` returns),
+    not vLLM's own renormalised over the kept tokens."""
+    path, _, params, graphdef, _ = checkpoint
+    r = rollout(path, top_k=TOP_K, top_p=TOP_P, enforce_eager=True)  # eager: no second compile warm-up
+    try:
+        ps = prompts(2, seed=50)
+        out = run(r, [Start(slot, 50 + slot // 2, slot % 2, ps[slot // 2], (), N) for slot in range(SLOTS)])
+    finally:
+        r.close()
+    gap, drawn = 0.0, 0
+    for s, (t, lp, _) in out.items():
+        gap = max(gap, np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s // 2], t)).max())
+        for z, tok in zip(scaled_logits(graphdef, params, ps[s // 2], t), t):
+            order = np.argsort(-z)[:TOP_K]  # the top-k, most likely first
+            assert tok in order
+            probs = np.exp(z[order] - z[order].max())
+            probs /= probs.sum()
+            before = probs[:list(order).index(tok)].sum()  # nucleus: mass of the likelier kept tokens
+            assert before < TOP_P + 1e-4, (before, TOP_P)
+            drawn += 1
+    assert gap <= 1e-4, gap
+    assert drawn >= SLOTS

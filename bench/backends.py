@@ -1,0 +1,112 @@
+"""Rollout backends for the engine bench (`bench/engine.py --backend builtin,vllm`).
+
+Owns: parsing `--backend`, the checkpoint both backends read (the bench's random model
+written as a Hugging Face directory), building each backend's `Rollout` with the same
+slots, chunk size, lengths and sampling settings, and `rollout_all`, the one loop that
+drives any backend over the same sequences. Does not own: timing or tables (engine.py),
+the backends themselves (`async_rl.rollout`, `async_rl.vllm_rollout`).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from async_rl import hf
+from async_rl.decoding import chunk_ends
+from async_rl.rollout import BuiltinRollout, Start
+
+KNOWN = ("builtin", "vllm")
+
+
+def parse(text: str) -> list[str]:
+    """The --backend list; with vllm asked for and not importable, one line and exit 2."""
+    names = [n for n in text.split(",") if n]
+    bad = sorted(set(names) - set(KNOWN))
+    if bad or not names:
+        print(f"--backend: unknown {bad} (known: {', '.join(KNOWN)})", file=sys.stderr)
+        sys.exit(2)
+    if "vllm" in names:
+        from async_rl import vllm_rollout
+
+        if (why := vllm_rollout.available()) is not None:
+            print(f"--backend vllm: {' '.join(why.split())} (`make venv-vllm` builds .venv-vllm with it)",
+                  file=sys.stderr)
+            sys.exit(2)
+        vllm_rollout.split_gpu_memory(VLLM_GPU_FRACTION)  # before JAX first touches a GPU
+    return list(dict.fromkeys(names))
+
+
+VLLM_GPU_FRACTION = 0.45  # engine.gpu_memory_utilization's default
+
+
+@dataclass
+class Setup:
+    """What every backend shares: the engine's sizes, the sampling settings the engine was
+    built with, its params, and the checkpoint directory they were written to (None without vllm)."""
+    engine: object
+    sampling: dict  # temperature, top_k, top_p
+    params: object
+    model_cfg: object
+    vocab: int
+    dtype: str
+    seed: int
+    hf_dir: str | None = None
+
+
+def write_checkpoint(params, model_cfg, vocab: int, dtype: str) -> tempfile.TemporaryDirectory:
+    """The bench's model as a Hugging Face directory in a temporary directory (removed at exit).
+    The builtin engine keeps the params written: the same weights bit for bit."""
+    tmp = tempfile.TemporaryDirectory(prefix="bench-engine-hf-")
+    hf.save_hf(params, model_cfg, vocab, tmp.name, dtype=dtype)
+    return tmp
+
+
+def make(name: str, st: Setup):
+    """(rollout, seconds to start it) for one backend with the engine's sizes and sampling."""
+    t0 = time.perf_counter()
+    eng = st.engine
+    if name == "builtin":
+        r = BuiltinRollout(eng, st.params, 0)
+    else:
+        from async_rl.vllm_rollout import VLLMRollout
+
+        r = VLLMRollout(hf_path=st.hf_dir, slots=eng.max_concurrent_decodes, steps_per_call=eng.steps_per_call,
+                        max_prompt_len=eng.max_prompt_len, max_new_tokens=eng.max_new_tokens,
+                        seed=st.seed, stop_ids=(), **st.sampling,
+                        dtype=st.dtype, tie_embeddings=st.model_cfg.tie_embeddings,
+                        gpu_memory_utilization=VLLM_GPU_FRACTION, cpu_kv_cache_gib=1, n_tokens=st.vocab)
+    return r, time.perf_counter() - t0
+
+
+def rollout_all(r, prompts, samples: int, limits) -> int:
+    """Every (prompt, sample) through backend `r` as the pump drives it: start samples in free
+    slots (a prompt's samples together), take chunks of `steps_per_call` tokens, stop a
+    sample at its length, refill. Returns the tokens generated (only those up to each length)."""
+    waiting = [(i, s) for i in range(len(prompts)) for s in range(samples)][::-1]
+    room = np.zeros(r.capacity, np.int64)  # tokens each slot's sample may still take; 0 = free
+    useful = 0
+    while waiting or room.any():
+        starts = []
+        for slot in np.flatnonzero(room == 0):
+            if not waiting:
+                break
+            i, s = waiting.pop()
+            room[slot] = limits[i][s]
+            starts.append(Start(int(slot), i, s, prompts[i], (), int(limits[i][s])))
+        if starts:
+            r.start(starts)
+            r.forget([x.ordinal for x in starts if x.sample == samples - 1])  # cached prefills go, as in the pump
+        live = room > 0
+        chunk = r.collect(r.step(live.tolist()))
+        take, ended = chunk_ends(chunk.tokens_KxS, room, ())
+        take, ended = np.where(live, take, 0), ended & live
+        useful += int(take.sum())
+        room -= take
+        if ended.any():
+            r.stop(np.flatnonzero(ended).tolist())
+    return useful
