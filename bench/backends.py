@@ -2,9 +2,9 @@
 
 Owns: parsing `--backend`, the checkpoint both backends read (the bench's random model
 written as a Hugging Face directory), building each backend's `Rollout` with the same
-slots, chunk size, lengths and sampling settings, and `rollout_all`, the one loop that
-drives any backend over the same sequences. Does not own: timing or tables (engine.py),
-the backends themselves (`async_rl.rollout`, `async_rl.vllm_rollout`).
+slots, chunk size, lengths and sampling settings. Does not own: timing or tables
+(engine.py), the loop that drives them (`async_rl.decoding.generate_all`, over the same
+`Rollout` interface the pump drives), the backends (`async_rl.rollout`, `async_rl.vllm_rollout`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from async_rl import hf
-from async_rl.decoding import chunk_ends
-from async_rl.rollout import BuiltinRollout, Start
+from async_rl.rollout import BuiltinRollout
 
 KNOWN = ("builtin", "vllm")
 
@@ -81,32 +78,3 @@ def make(name: str, st: Setup):
                         dtype=st.dtype, tie_embeddings=st.model_cfg.tie_embeddings,
                         gpu_memory_utilization=VLLM_GPU_FRACTION, cpu_kv_cache_gib=1, n_tokens=st.vocab)
     return r, time.perf_counter() - t0
-
-
-def rollout_all(r, prompts, samples: int, limits) -> int:
-    """Every (prompt, sample) through backend `r` as the pump drives it: start samples in free
-    slots (a prompt's samples together), take chunks of `steps_per_call` tokens, stop a
-    sample at its length, refill. Returns the tokens generated (only those up to each length)."""
-    waiting = [(i, s) for i in range(len(prompts)) for s in range(samples)][::-1]
-    room = np.zeros(r.capacity, np.int64)  # tokens each slot's sample may still take; 0 = free
-    useful = 0
-    while waiting or room.any():
-        starts = []
-        for slot in np.flatnonzero(room == 0):
-            if not waiting:
-                break
-            i, s = waiting.pop()
-            room[slot] = limits[i][s]
-            starts.append(Start(int(slot), i, s, prompts[i], (), int(limits[i][s])))
-        if starts:
-            r.start(starts)
-            r.forget([x.ordinal for x in starts if x.sample == samples - 1])  # cached prefills go, as in the pump
-        live = room > 0
-        chunk = r.collect(r.step(live.tolist()))
-        take, ended = chunk_ends(chunk.tokens_KxS, room, ())
-        take, ended = np.where(live, take, 0), ended & live
-        useful += int(take.sum())
-        room -= take
-        if ended.any():
-            r.stop(np.flatnonzero(ended).tolist())
-    return useful
