@@ -214,7 +214,7 @@ def test_lease_taken_away_stops_the_holder(bucket):
     assert json.loads(storage.read_text(run / ".lock.p1"))["pid"] == 7  # the new holder's lease is left alone
 
 
-def test_logs_are_segments_cut_back_on_resume(bucket):
+def test_logs_are_segments_cut_back_on_resume(bucket, monkeypatch):
     """lineage/drops/metrics on an object store: one segment object per append (no append
     there), read back in order; a resume cuts them back to the size a checkpoint recorded,
     across segment boundaries, and the next session appends after the cut."""
@@ -238,6 +238,12 @@ def test_logs_are_segments_cut_back_on_resume(bucket):
     again.append([{"step": 2, "i": 5}])
     assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0, 5]
     assert again.truncate(at_ckpt) == 0 and again.tell() == storage.log_size(run / "lineage.jsonl")
+
+    # a reader that listed the segments before a cut deleted some reads up to the cut
+    listed = storage.segments(run / "lineage.jsonl")
+    again.truncate(one_line)
+    monkeypatch.setattr(storage, "segments", lambda p: listed)
+    assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0]
 
 
 TINY = ["--config", "configs/tiny.yaml", "log.progress=false", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
