@@ -6,9 +6,10 @@ temporary directory to the step's name; on an object store, where Orbax writes t
 directory in place, its `commit_success.txt`: a half-written step is never listed), the
 commit protocol each backend uses (`temporary_path_class`),
 the items of a step, the meta document's file, each process's file-name prefix (the ledger
-item's `<prefix>.json`/`.bin` are checkpoint's own format), and the data item's per-process
-file (Grain's handler writes one JSON per process). Does not own: writing, reading or
-verifying those files (checkpoint, saved_run).
+item's `<prefix>.json`/`.bin` are checkpoint's own format), the data item's per-process
+file (Grain's handler writes one JSON per process), and where Orbax's arrays go on s3:// (the
+tensorstore kvstore it opens there). Does not own: writing, reading or verifying those files
+(checkpoint, saved_run).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from . import storage
 
@@ -26,6 +28,42 @@ _NAMES = ocp.path.step.standard_name_format()  # the CheckpointManager's default
 # (its default on gs://; on s3:// its default rename would be a copy)
 _COMMIT_FILE = ocp.path.atomicity.CommitFileTemporaryPath
 _REMOTE_NAMES = ocp.path.step.standard_name_format(temporary_path_cls=_COMMIT_FILE)
+
+
+def _route_s3_arrays() -> None:
+    """Orbax 0.12.8 opens tensorstore kvstores for gs:// and absolute local paths only (an s3://
+    directory is refused as relative). Every kvstore spec it builds comes from
+    `build_kvstore_tspec`; for an s3:// directory that now returns the spec Orbax builds for the
+    same key under gs:// (its object-store layout: OCDBT, no file locking) with each `gcs`
+    kvstore replaced by tensorstore's `s3` one. Other paths are passed through untouched."""
+    build = _ts_utils.build_kvstore_tspec
+    if getattr(build, "routes_s3", False):
+        return
+
+    def build_kvstore_tspec(directory, name=None, **kwargs):
+        d = str(directory)
+        if not d.startswith("s3://"):
+            return build(directory, name, **kwargs)
+        return _gcs_to_s3(build("gs://" + d[len("s3://"):], name, **kwargs))
+
+    build_kvstore_tspec.routes_s3 = True
+    _ts_utils.build_kvstore_tspec = build_kvstore_tspec
+
+
+def _gcs_to_s3(spec):
+    if isinstance(spec, list):
+        return [_gcs_to_s3(x) for x in spec]
+    if isinstance(spec, str) and spec.startswith("gs://"):
+        return storage.tensorstore_kvstore("s3://" + spec[len("gs://"):])
+    if not isinstance(spec, dict):
+        return spec
+    if spec.get("driver") in ("gcs", "gcs_grpc"):
+        rest = {k: v for k, v in spec.items() if k not in ("driver", "bucket", "path")}
+        return {**rest, **storage.tensorstore_kvstore(f"s3://{spec['bucket']}/{spec.get('path', '')}")}
+    return {k: _gcs_to_s3(v) for k, v in spec.items()}
+
+
+_route_s3_arrays()
 
 
 def temporary_path_class(ckpt_dir) -> type | None:

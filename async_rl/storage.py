@@ -7,8 +7,9 @@ replace, exclusive create, and (on object stores) the versioned read and conditi
 replace a lease needs. Local paths keep the POSIX primitives (write to a temporary file and
 rename; O_EXCL); object stores go through fsspec (gcsfs, s3fs; the optional extras
 `async_rl[gcs]`, `async_rl[s3]`), where a single PUT is already atomic and a create is
-conditional (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`). Endpoints and credentials
-come from each client's standard environment (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...).
+conditional (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`); and the tensorstore kvstore
+that Orbax's arrays go to on s3://. Endpoints and credentials come from each client's standard
+environment (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...).
 Does not own: what the files hold, or which module writes which.
 
 See docs/design.md, "Run directories on object storage".
@@ -79,6 +80,41 @@ def filesystem(p):
     if name is None:
         raise ValueError(f"{p}: not an object-store URL")
     return _fs(name)
+
+
+def tensorstore_kvstore(p) -> dict:
+    """tensorstore's kvstore spec for an `s3://bucket/key` prefix (Orbax writes arrays through
+    it). Endpoint and region come from the AWS SDKs' standard settings: AWS_ENDPOINT_URL_S3 or
+    AWS_ENDPOINT_URL (an S3-compatible store), AWS_REGION, AWS_DEFAULT_REGION or the profile's
+    region; where no region is set, tensorstore asks the bucket."""
+    if scheme(p) != "s3":
+        raise ValueError(f"{p}: not an s3:// URL")
+    bucket, _, key = url(p)[len("s3://"):].partition("/")
+    spec = {"driver": "s3", "bucket": bucket, "path": key}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    region = _aws_region()
+    if region:
+        spec["aws_region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        # the keys the default chain would take first; naming their provider skips its profile
+        # lookup, which logs five error lines per checkpoint where there are no profile files
+        spec["context"] = {"aws_credentials": {"type": "environment"}}
+    return spec
+
+
+def _aws_region() -> str | None:
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or _profile_region()
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_region() -> str | None:
+    try:
+        import botocore.session  # s3fs's client reads the same profile
+    except ImportError:
+        return None
+    return botocore.session.get_session().get_config_variable("region")
 
 
 # ---- reading ---------------------------------------------------------------------------
@@ -160,7 +196,13 @@ def read_log(p) -> bytes:
         except FileNotFoundError:
             return b""
     fs = filesystem(p)
-    return b"".join(fs.cat_file(u) for u, _ in segments(p))
+    out = []
+    for u, _ in segments(p):
+        try:
+            out.append(fs.cat_file(u))
+        except FileNotFoundError:  # cut by a resume while read: a cut deletes from the end
+            break
+    return b"".join(out)
 
 
 def log_size(p) -> int:

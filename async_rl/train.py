@@ -145,20 +145,12 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
 def _object_store_config(cfg: Config, log) -> Config:
     """What a run on an object store writes: everything but the rollout journal (its fsync'd
     appends), TensorBoard's event file and reward.png, which are turned off with one line."""
-    if storage.scheme(cfg.run.dir) == "s3":
-        raise ConfigError(f"run.dir={cfg.run.dir!r}: Orbax {ocp_version()} cannot write arrays to s3:// (only gs:// "
-                          "and local or shared directories can hold a training run; nothing was written)")
     off = [k for k, on in (("journal.enabled", cfg.journal.enabled), ("log.tensorboard", cfg.log.tensorboard),
                            ("log.plot", cfg.log.plot)) if on]
     if off:
         log(f"warning: run.dir={cfg.run.dir}: {', '.join(off)} turned off (they append to files; an object store "
             "has no append)")
     return C.replace(cfg, journal={"enabled": False}, log={"tensorboard": False, "plot": False})
-
-
-def ocp_version() -> str:
-    import orbax.checkpoint as ocp
-    return getattr(ocp, "__version__", "")
 
 
 # ---- 2. build ---------------------------------------------------------------------------

