@@ -38,7 +38,7 @@ $(OBJ_STAMP): $(STAMP)
 	@touch $(OBJ_STAMP)
 
 test-objstore: $(OBJ_STAMP)
-	$(BIN)/python -m pytest -q -p no:xdist -m "not soak" tests/test_objstore.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not soak" tests/test_objstore.py
 
 # The full crash matrix: every sampler x lookahead/staleness x partial rollouts.
 soak: $(STAMP)
