@@ -25,10 +25,11 @@ train: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check async_rl tests bench
 
-# Tests run in TEST_WORKERS processes (pytest-xdist); long ones start first.
+# Tests run in TEST_WORKERS processes (pytest-xdist); long ones start first, and a worker that
+# runs out of tests takes queued ones from the other (worksteal).
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not soak" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests
 
 # run.dir on gs:// and s3://: the clients (extras gcs, s3) and the servers the tests start on
 # loopback (fake-gcs-server, moto); `make test` skips these tests where they are not installed.
@@ -38,7 +39,7 @@ $(OBJ_STAMP): $(STAMP)
 	@touch $(OBJ_STAMP)
 
 test-objstore: $(OBJ_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not soak" tests/test_objstore.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests/test_objstore.py
 
 # The full crash matrix: every sampler x lookahead/staleness x partial rollouts.
 soak: $(STAMP)
