@@ -179,6 +179,22 @@ def state_digests(state) -> tuple[dict[str, int], bool]:
     return ({path_str(p): int(_host(d)) for (p, _), d in zip(flat, digests)}, bool(_host(finite)))
 
 
+class _DamagedReads(logging.Filter):
+    """Orbax reads a state's arrays' metadata in concurrent tasks; on a damaged step the first
+    failure is raised (and reported as Damaged), the others are logged by asyncio whenever their
+    tasks are collected ("Task exception was never retrieved"). Only those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("Task exception was never retrieved" in msg and "DATA_LOSS" in msg)
+
+
+def _quiet_damaged_reads() -> None:
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DamagedReads) for f in log.filters):
+        log.addFilter(_DamagedReads())
+
+
 def _saved_arrays(state_dir: Path) -> dict[str, tuple[tuple, str]]:
     """{leaf path: (shape, dtype)} of a saved state item, from Orbax's metadata (no array read)."""
     handler = ocp.StandardCheckpointHandler()
@@ -610,6 +626,7 @@ def _check_structure(state_dir: Path, abstract_state, cfg: C.Config | None, chan
     except (MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:
+        _quiet_damaged_reads()
         raise Damaged("state", state_dir, f"metadata unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     target = _target_arrays(abstract_state)
     if saved == target:
