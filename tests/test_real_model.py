@@ -186,13 +186,14 @@ def test_sigkill_and_resume_train_each_prompt_exactly_once(resumed_run):
 @pytest.mark.soak
 def test_export_round_trip_gives_identical_logits(resumed_run, tmp_path):
     from async_rl import cli
-    from async_rl.export import load_run, restore_params
+    from async_rl.saved_run import open_run, read_params
     run, _ = resumed_run
     out = tmp_path / "hf"
     assert cli.main(["export", str(run), "--out", str(out)]) == 0
     mcfg, exported, graphdef = load(out)
-    cfg, _, vocab, steps, ckpt_dir = load_run(run)
-    trained = restore_params(ckpt_dir / str(steps[-1]) / "state", cfg.model, vocab)
+    saved = open_run(run)
+    step, trained = read_params(saved)
+    assert step == saved.steps()[-1] == 4
     tokens = np.asarray([[1, 4093, 30, 216, 2], [28, 29, 30, 31, 32]], np.int32)
     a, b = logits(graphdef, exported, tokens), logits(graphdef, trained, tokens)
     assert np.array_equal(a, b)
