@@ -168,10 +168,9 @@ class MetricsSink:
         self.jsonl.close()
 
 
-def plot_rewards(metrics_path: Path, out: Path) -> bool:
-    """reward.png: mean reward per step (with a moving average) from metrics.jsonl, and the
-    held-out accuracy where the run evaluated."""
-    all_rows = read_jsonl(metrics_path)
+def plot_rewards(all_rows: list[dict], out: Path) -> bool:
+    """reward.png: mean reward per step (with a moving average) from metrics.jsonl's rows, and
+    the held-out accuracy where the run evaluated."""
     rows = [r for r in all_rows if r.get("rollout/reward_mean") is not None]
     evals = [r for r in all_rows if r.get("eval/accuracy") is not None]
     if not rows:

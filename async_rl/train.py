@@ -308,9 +308,10 @@ class Session:
             dropped = cut_events(parts.run_dir / "tb", start.step)
             if dropped:
                 log(f"cut {dropped} TensorBoard events logged after step {start.step} (not covered by its checkpoint)")
+        self.last_step = _total_steps(cfg, parts.pd)  # where max_steps or the data ends the run
         self.sink = MetricsSink(parts.run_dir, tensorboard=cfg.log.tensorboard and self.primary,
                                 progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
-                                every=cfg.log.every_steps, total_steps=_total_steps(cfg, parts.pd),
+                                every=cfg.log.every_steps, total_steps=self.last_step,
                                 start_step=start.step, console=log,
                                 name="metrics.jsonl" if self.primary else f"metrics.p{pi}.jsonl",
                                 wandb=self._wandb(cfg, parts.run_dir, log) if cfg.log.wandb and self.primary else None)
@@ -342,7 +343,6 @@ class Session:
         if self.evaluator is not None:
             log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
         self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
-        self.last_step = _total_steps(cfg, parts.pd)  # where max_steps or the data ends the run
         self.params_e = params_e
         self.clock = StepClock()
         self.rates = Rates()
@@ -650,15 +650,16 @@ def report(parts: Parts, s: Session, log) -> RunResult:
             "step": s.step, "fingerprint": fp, "reason": s.reason, "exhausted": exhausted,
             "complete_epochs": complete}))
         log(f"params fingerprint: {fp}")
+        try:  # the run's kept rows: a resumed session's "before" is the run's first eval, not its own
+            all_rows = read_jsonl(parts.run_dir / "metrics.jsonl")
+        except (OSError, ValueError):
+            all_rows = s.history
         try:
-            if cfg.log.plot and plot_rewards(parts.run_dir / "metrics.jsonl", parts.run_dir / "reward.png"):
+            if cfg.log.plot and plot_rewards(all_rows, parts.run_dir / "reward.png"):
                 log(f"reward curve: {parts.run_dir / 'reward.png'}")
         except OSError as e:  # the run is saved; only the picture is missing
             log(f"warning: {parts.run_dir / 'reward.png'} not written ({e.strerror or e})")
-        try:  # the run's kept rows: a resumed session's "before" is the run's first eval, not its own
-            run_rows = [r for r in read_jsonl(parts.run_dir / "metrics.jsonl") if r.get("step", 0) <= s.step]
-        except (OSError, ValueError):
-            run_rows = s.history
+        run_rows = [r for r in all_rows if r.get("step", 0) <= s.step]
         _report(cfg, res, run_rows or s.history, time.perf_counter() - s.t_start, log)
     return res
 
