@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test test-objstore lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm soak-vllm
+.PHONY: venv train test test-objstore objstore-deps lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm soak-vllm
 
 venv: $(STAMP)
 
@@ -37,6 +37,8 @@ OBJ_STAMP := $(VENV)/.installed-objstore
 $(OBJ_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test]"
 	@touch $(OBJ_STAMP)
+
+objstore-deps: $(OBJ_STAMP)
 
 test-objstore: $(OBJ_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests/test_objstore.py
