@@ -324,7 +324,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class JournalConfig:
     enabled: bool = True  # append finished samples to run.dir/journal; a resume uses them instead of generating
-    fsync_every_s: float = 1.0  # fdatasync the journal at most this often, seconds (a thread); 0 = every write
+    fsync_every_s: float = 1.0  # fdatasync (object stores: upload) the journal at most this often, seconds; 0 = every write
 
     def __post_init__(self):
         _check(self.fsync_every_s >= 0, "journal.fsync_every_s", self.fsync_every_s, "must be >= 0")

@@ -24,15 +24,14 @@ ever names weights the run does not have. See docs/design.md, "Rollout journal".
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from . import journal_store, storage
 from .journal_format import (
     FORMAT,
     Entry,
@@ -42,20 +41,9 @@ from .journal_format import (
     layout_of,
     prompt_crc,
     read_segment,
-    segment_files,
     signature,
 )
 from .ledger import Group, Sample, State
-
-
-@dataclass
-class _Open:
-    """A segment this session writes."""
-    path: Path
-    fd: int
-    closed_at: int | None = None  # the checkpoint cut that closed it
-    dirty: bool = True
-    new: bool = True  # its directory entry is not fsynced yet
 
 
 @dataclass
@@ -73,9 +61,9 @@ class Journal:
     thread, or the main thread at start-up and at the cut); `flush` on the journal's writer
     thread, fdatasync on its sync thread. `_lock` orders the buffer and the open segment."""
 
-    def __init__(self, run_dir: Path, *, process_index: int, process_count: int, sig: dict, step: int,
+    def __init__(self, run_dir, *, process_index: int, process_count: int, sig: dict, step: int,
                  fsync_every_s: float, bound: int, deterministic: bool, log, drop, generation: int = 0):
-        self.root = Path(run_dir) / "journal"
+        self.root = run_dir / "journal"
         self.dir = self.root / f"p{process_index}"
         self.layout = (generation, process_index, process_count)
         self.sig, self.every, self.bound = sig, fsync_every_s, bound
@@ -90,14 +78,14 @@ class Journal:
         self._lock = threading.Lock()  # the buffer and which segment is open
         self._sync_lock = threading.Lock()  # fdatasync, and closing file descriptors
         self._buf: list[bytes] = []
-        self._old: dict[Path, int] = {}  # files of earlier sessions -> newest v_min they hold
-        self._closed: list[_Open] = []
+        self._old: dict = {}  # files of earlier sessions -> newest v_min they hold
+        self._closed: list = []  # segments of this session cut by a checkpoint (`closed_at`)
         self._failed = False
-        self.dir.mkdir(parents=True, exist_ok=True)
+        storage.mkdirs(self.dir)
         self._load()
-        files = segment_files(self.dir)
+        files = journal_store.segment_files(self.dir)
         self._seq = int(files[-1].stem) if files else 0
-        self._seg: _Open | None = self._open(step)
+        self._seg = self._open(step)
         # writes happen on a thread of their own: a write releases the GIL, and the pump would
         # then wait for it back (measured: ~0.5 ms per write at a 1 ms switch interval)
         self._stop, self._wake = threading.Event(), threading.Event()
@@ -111,10 +99,10 @@ class Journal:
 
     def _load(self) -> None:
         _, pi, pc = self.layout
-        for d in sorted(self.root.glob("p*")):
+        for d in storage.glob(self.root, "p*"):
             j = int(d.name[1:]) if d.name[1:].isdigit() else -1
             owner = j == pi or (pi == 0 and j >= pc)  # process 0 looks after directories no process owns
-            for path in segment_files(d):
+            for path in journal_store.segment_files(d):
                 seg = read_segment(path)
                 # another process's files only matter when another layout wrote them (its groups
                 # may have been dealt to this process since)
@@ -133,7 +121,7 @@ class Journal:
                             "offset": off, "bytes": n}])
             if seg.torn is not None:
                 off, n = seg.torn
-                os.truncate(seg.path, off)
+                storage.cut_log(seg.path, off)
                 self.log(f"warning: journal {rel}: cut a torn tail of {n} bytes at offset {off} (a write the "
                          "crash interrupted)")
                 self.drop([{"step": self.latest, "reason": "corrupt", "what": "journal", "file": rel,
@@ -280,14 +268,14 @@ class Journal:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def _open(self, step: int) -> _Open | None:
+    def _open(self, step: int):
         self._seq += 1
         path = self.dir / f"{self._seq:08d}.jrn"
         gen, pi, pc = self.layout
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-            seg = _Open(path, fd)
-            self._write(seg, encode_header({"format": FORMAT, "generation": gen, "process": pi, "processes": pc,
+            seg = journal_store.create(path)
+            seg.closed_at = None  # the checkpoint cut that closes it
+            seg.write(encode_header({"format": FORMAT, "generation": gen, "process": pi, "processes": pc,
                                             "step": step, "time": time.time(), "signature": self.sig}))
         except OSError as e:
             self._fail(e)
@@ -328,16 +316,9 @@ class Journal:
             data = b"".join(self._buf)
             self._buf.clear()
             try:
-                self._write(self._seg, data)
+                self._seg.write(data)
             except OSError as e:
                 self._fail(e)
-
-    @staticmethod
-    def _write(seg: _Open, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(seg.fd, view):]
-        seg.dirty = True
 
     def _fail(self, e: OSError) -> None:
         if not self._failed:
@@ -369,32 +350,26 @@ class Journal:
     def _sync_all(self) -> None:
         with self._sync_lock:
             with self._lock:
-                segs = [s for s in (*self._closed, self._seg) if s is not None and s.fd >= 0]
+                segs = [s for s in (*self._closed, self._seg) if s is not None and s.open]
             for s in segs:
                 self._sync(s)
             with self._lock:
                 for s in self._closed:
-                    if s.fd >= 0 and not s.dirty:
-                        os.close(s.fd)
-                        s.fd = -1
+                    if s.open and not s.dirty:
+                        s.close()
 
-    def _sync(self, seg: _Open) -> None:
-        """fdatasync of one segment (hold `_sync_lock`: file descriptors close only under it)."""
-        if not seg.dirty or seg.fd < 0:
+    def _sync(self, seg) -> None:
+        """Makes one segment's records durable: fdatasync, or the upload of a part on an object
+        store (hold `_sync_lock`: segments close only under it)."""
+        if not seg.dirty or not seg.open:
             return
         t0 = time.perf_counter()
         seg.dirty = False  # a write landing during the sync marks it again
         try:
-            os.fdatasync(seg.fd)
-            if seg.new:
-                dfd = os.open(seg.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-                seg.new = False
-        except OSError as e:
-            self.log(f"warning: journal fsync of {seg.path} failed ({e})")
+            seg.sync()
+        except Exception as e:  # noqa: BLE001 - a lost sync costs regeneration only, never correctness
+            seg.dirty = True
+            self.log(f"warning: journal sync of {seg.path} failed ({e})")
         self.sync_s += time.perf_counter() - t0
 
     def compact(self, committed: int) -> int:
@@ -404,9 +379,7 @@ class Journal:
             gone = [s for s in self._closed if s.closed_at is not None and s.closed_at <= committed]
             self._closed = [s for s in self._closed if s not in gone]
             for s in gone:
-                if s.fd >= 0:
-                    os.close(s.fd)
-                    s.fd = -1
+                s.close()
         # an earlier session's sample with oldest version v can fit no group a resume from
         # `committed` still has once committed - v > bound (lookahead or staleness)
         old = [p for p, v in self._old.items() if committed - v > self.bound]
@@ -414,7 +387,7 @@ class Journal:
             del self._old[p]
         paths = [s.path for s in gone] + old
         for p in paths:
-            p.unlink(missing_ok=True)
+            journal_store.delete(p)
         return len(paths)
 
     def close(self) -> None:
@@ -425,11 +398,10 @@ class Journal:
         with self._sync_lock:
             with self._lock:
                 self._write_buffer()
-                segs = [s for s in (*self._closed, self._seg) if s is not None and s.fd >= 0]
+                segs = [s for s in (*self._closed, self._seg) if s is not None and s.open]
             for s in segs:
                 self._sync(s)
-                os.close(s.fd)
-                s.fd = -1
+                s.close()
 
     # ---- reporting ------------------------------------------------------------------------
 
@@ -466,7 +438,7 @@ class Journal:
                 + f", up to {rest} more as the stream reaches their groups")
 
 
-def open_journal(cfg, run_dir: Path, *, step: int, process_index: int, process_count: int, stop_ids, log,
+def open_journal(cfg, run_dir, *, step: int, process_index: int, process_count: int, stop_ids, log,
                  drop, generation: int = 0) -> Journal | None:
     """This session's journal (None with journal.enabled=false); reads what earlier sessions wrote."""
     if not cfg.journal.enabled:

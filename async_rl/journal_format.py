@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import storage
 from .ledger import Group, Sample
 
 MAGIC = b"\xa5JR1"
@@ -128,8 +129,8 @@ class Segment:
         return max((e.vmin for e in self.entries), default=-1)
 
 
-def read_segment(path: Path) -> Segment:
-    data = Path(path).read_bytes()
+def read_segment(path) -> Segment:
+    data = storage.read_log(path)  # a file, or the concatenated parts of one on an object store
     recs, bad, torn = scan(data)
     header = None
     if recs and recs[0][1][:1] == bytes([KIND_HEADER]):
@@ -146,7 +147,7 @@ def read_segment(path: Path) -> Segment:
                 bad.append((off, _FRAME.size + len(p)))
             else:
                 entries.append(e)
-    return Segment(Path(path), header, entries, bad, torn)
+    return Segment(path, header, entries, bad, torn)
 
 
 def layout_of(header: dict | None) -> tuple:
@@ -155,10 +156,6 @@ def layout_of(header: dict | None) -> tuple:
     if header is None:
         return (None, None, None)
     return (header.get("generation", 0), header.get("process"), header.get("processes"))
-
-
-def segment_files(directory: Path) -> list[Path]:
-    return sorted(p for p in Path(directory).glob("*.jrn") if p.stem.isdigit())
 
 
 def signature(cfg, reward: str, stop_ids) -> dict:

@@ -10,6 +10,7 @@ checkpoint the same way).
 
 from __future__ import annotations
 
+import io
 import math
 import queue
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import storage
 from .lineage import open_log, read_jsonl
 
 
@@ -194,6 +196,8 @@ def plot_rewards(all_rows: list[dict], out: Path) -> bool:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(out)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
+    storage.write_atomic(out, buf.getvalue())  # a local file or an object: whole or absent
     return True

@@ -334,9 +334,10 @@ class LeaseLock:
     token) and when it was last renewed. It is created with a conditional create (GCS
     `ifGenerationMatch=0`, S3 `If-None-Match: *`: one winner), renewed every third of
     `lease_s` by a heartbeat thread with a conditional replace of the version it last wrote,
-    and taken over only when it has not been renewed for `lease_s` (or its holder's process
-    is gone from this host). A holder whose renewal finds another writer's version stops at its
-    next step boundary (`check`: LockLostError)."""
+    and taken over only when it has not been renewed for `lease_s` and then stays unchanged
+    while watched (or at once where its holder's process is gone from this host). A holder
+    whose renewal finds another writer's version stops at its next step boundary (`check`:
+    LockLostError)."""
 
     def __init__(self, run_dir, process_index: int = 0, lease_s: float = 60.0):
         self.run_dir = run_dir
@@ -360,8 +361,11 @@ class LeaseLock:
 
     def _stale(self, doc: dict) -> bool:
         """Not renewed for lease_s (by the reader's clock), or its process is gone from this host."""
-        if time.time() - float(doc.get("renewed", 0)) > float(doc.get("lease_s", self.lease_s)):
-            return True
+        return self._gone(doc) or time.time() - float(doc.get("renewed", 0)) > float(doc.get("lease_s", self.lease_s))
+
+    @staticmethod
+    def _gone(doc: dict) -> bool:
+        """Its holder's process is gone from this host (certain, whatever the clocks say)."""
         if doc.get("host") == socket.gethostname() and isinstance(doc.get("pid"), int):
             try:
                 os.kill(doc["pid"], 0)
@@ -370,6 +374,21 @@ class LeaseLock:
             except OSError:
                 pass
         return False
+
+    def _watch(self, got: tuple[dict, str], run_dir) -> tuple[dict, str] | None:
+        """A lease that looks expired by this host's clock: taken only if it also stays unchanged
+        for 1.5 of its holder's renewal intervals, timed here. Hosts' clocks may disagree, and a
+        reader whose clock runs ahead would otherwise take a lease its holder still renews."""
+        wait = 1.5 * float(got[0].get("lease_s", self.lease_s)) / 3
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, wait / 6))
+            now = self._read()
+            if now is None:
+                return None  # released meanwhile: created afresh
+            if now[1] != got[1]:
+                raise self._refusal(run_dir, now[0])
+        return got
 
     @staticmethod
     def _describe(doc: dict) -> str:
@@ -404,6 +423,8 @@ class LeaseLock:
         got = self._read()
         if got is not None and not self._stale(got[0]):
             raise self._refusal(run_dir, got[0])
+        if got is not None and not self._gone(got[0]):
+            got = self._watch(got, run_dir)
         try:  # a create, or a takeover of exactly the stale version read
             self._version = storage.replace_if(self.path, self._body(), None if got is None else got[1])
         except storage.Conflict:

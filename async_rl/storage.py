@@ -84,14 +84,15 @@ def filesystem(p):
 
 def tensorstore_kvstore(p) -> dict:
     """tensorstore's kvstore spec for an `s3://bucket/key` prefix (Orbax writes arrays through
-    it). Endpoint and region come from the AWS SDKs' standard settings: AWS_ENDPOINT_URL_S3 or
-    AWS_ENDPOINT_URL (an S3-compatible store), AWS_REGION, AWS_DEFAULT_REGION or the profile's
+    it). Endpoint and region come from the AWS SDKs' standard settings, as s3fs's client
+    reads them: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or the profile's `endpoint_url` (its
+    `services` section's s3 one first); AWS_REGION, AWS_DEFAULT_REGION or the profile's
     region; where no region is set, tensorstore asks the bucket."""
     if scheme(p) != "s3":
         raise ValueError(f"{p}: not an s3:// URL")
     bucket, _, key = url(p)[len("s3://"):].partition("/")
     spec = {"driver": "s3", "bucket": bucket, "path": key}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or _profile_endpoint()
     if endpoint:
         spec["endpoint"] = endpoint
     region = _aws_region()
@@ -106,6 +107,27 @@ def tensorstore_kvstore(p) -> dict:
 
 def _aws_region() -> str | None:
     return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or _profile_region()
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_endpoint() -> str | None:
+    """The s3 endpoint the AWS config file names for the current profile, None without one."""
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return None
+    try:
+        import botocore.exceptions
+        import botocore.session
+    except ImportError:
+        return None
+    session = botocore.session.get_session()
+    try:
+        scoped = session.get_scoped_config()
+    except botocore.exceptions.ProfileNotFound:
+        return None
+    if str(scoped.get("ignore_configured_endpoint_urls", "")).lower() == "true":
+        return None
+    service = session.full_config.get("services", {}).get(scoped.get("services", ""), {}).get("s3", {})
+    return service.get("endpoint_url") or scoped.get("endpoint_url")
 
 
 @functools.lru_cache(maxsize=None)

@@ -143,14 +143,12 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
 
 
 def _object_store_config(cfg: Config, log) -> Config:
-    """What a run on an object store writes: everything but the rollout journal (its fsync'd
-    appends), TensorBoard's event file and reward.png, which are turned off with one line."""
-    off = [k for k, on in (("journal.enabled", cfg.journal.enabled), ("log.tensorboard", cfg.log.tensorboard),
-                           ("log.plot", cfg.log.plot)) if on]
-    if off:
-        log(f"warning: run.dir={cfg.run.dir}: {', '.join(off)} turned off (they append to files; an object store "
-            "has no append)")
-    return C.replace(cfg, journal={"enabled": False}, log={"tensorboard": False, "plot": False})
+    """What a run on an object store writes: everything but TensorBoard's event file (its
+    writer appends to one file), turned off with one line."""
+    if cfg.log.tensorboard:
+        log(f"warning: run.dir={cfg.run.dir}: log.tensorboard turned off (its event file is appended to; an object "
+            "store has no append): metrics.jsonl has every metric")
+    return C.replace(cfg, log={"tensorboard": False})
 
 
 # ---- 2. build ---------------------------------------------------------------------------
@@ -657,8 +655,8 @@ def report(parts: Parts, s: Session, log) -> RunResult:
         try:
             if cfg.log.plot and plot_rewards(all_rows, parts.run_dir / "reward.png"):
                 log(f"reward curve: {parts.run_dir / 'reward.png'}")
-        except OSError as e:  # the run is saved; only the picture is missing
-            log(f"warning: {parts.run_dir / 'reward.png'} not written ({e.strerror or e})")
+        except Exception as e:  # noqa: BLE001 - the run is saved; only the picture is missing
+            log(f"warning: {parts.run_dir / 'reward.png'} not written ({getattr(e, 'strerror', None) or e})")
         run_rows = [r for r in all_rows if r.get("step", 0) <= s.step]
         _report(cfg, res, run_rows or s.history, time.perf_counter() - s.t_start, log)
     return res

@@ -88,6 +88,7 @@ def test_s3_kvstore_from_the_standard_aws_settings(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     storage._profile_region.cache_clear()
+    storage._profile_endpoint.cache_clear()
     assert storage.tensorstore_kvstore("s3://b/runs/a/checkpoints") == {"driver": "s3", "bucket": "b",
                                                                         "path": "runs/a/checkpoints"}
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
@@ -102,6 +103,30 @@ def test_s3_kvstore_from_the_standard_aws_settings(monkeypatch):
     assert ocdbt["driver"] == "ocdbt" and ocdbt["base"]["driver"] == "s3" and ocdbt["base"]["path"] == "c/3/state"
     assert ts_utils.build_kvstore_tspec("/abs/c", "w", use_ocdbt=False) == {"driver": "file", "path": "/abs/c/w"}
     storage._profile_region.cache_clear()
+
+
+@pytest.mark.parametrize("config,endpoint", [
+    ("[default]\nregion = eu-west-1\nendpoint_url = http://127.0.0.1:9\n", "http://127.0.0.1:9"),
+    ("[default]\nendpoint_url = http://127.0.0.1:9\nservices = mine\n[services mine]\ns3 =\n"
+     "  endpoint_url = http://127.0.0.1:8\n", "http://127.0.0.1:8"),
+    ("[default]\nendpoint_url = http://127.0.0.1:9\nignore_configured_endpoint_urls = true\n", None)],
+    ids=["profile", "services", "ignored"])
+def test_s3_endpoint_from_the_aws_config_file(monkeypatch, tmp_path, config, endpoint):
+    """An endpoint named only in the AWS config file reaches Orbax's arrays as it reaches s3fs."""
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "config").write_text(config)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    storage._profile_endpoint.cache_clear()
+    try:
+        import botocore.session
+        assert botocore.session.get_session().create_client("s3").meta.endpoint_url == (
+            endpoint or "https://s3.amazonaws.com")  # what s3fs's client resolves
+        assert storage.tensorstore_kvstore("s3://b/c").get("endpoint") == endpoint
+    finally:
+        storage._profile_endpoint.cache_clear()
 
 
 @pytest.mark.parametrize("scheme,extra", [("gs", "gcs"), ("s3", "s3")])
@@ -187,6 +212,39 @@ def test_lease_renewed_refused_then_taken_over(bucket):
     lock.acquire(run)
     assert json.loads(storage.read_text(run / ".lock"))["pid"] == os.getpid()
     lock.release()
+
+
+HOLD_SKEWED = """
+import sys, time, types
+from async_rl import rundir, storage
+real = time.time
+rundir.time = types.SimpleNamespace(time=lambda: real() - 3600, monotonic=time.monotonic, sleep=time.sleep,
+                                    strftime=time.strftime, localtime=time.localtime)  # an hour behind
+rundir.socket = types.SimpleNamespace(gethostname=lambda: "elsewhere")
+run = storage.run_path(sys.argv[1])
+lock = rundir.run_lock(run, 0, lease_s=float(sys.argv[2]))
+lock.acquire(run)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_lease_of_a_holder_whose_clock_is_behind_is_not_taken(bucket):
+    """Hosts' clocks disagree: a live holder on another host, its clock an hour behind this
+    one, renews a lease that looks an hour old here. It is watched for 1.5 renewal intervals,
+    seen renewed, and refused, not taken over."""
+    run = storage.run_path(f"{bucket}/run")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SKEWED, str(run), "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with pytest.raises(rundir.RunDirError, match="in use by pid [0-9]+ on host elsewhere"):
+            rundir.run_lock(run, 0, lease_s=2).acquire(run)
+        assert time.monotonic() - t0 < 5
+        assert json.loads(storage.read_text(run / ".lock"))["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
 
 
 def test_lease_taken_away_stops_the_holder(bucket):
@@ -369,3 +427,74 @@ def test_elastic_resume_two_processes_to_one(gcs_endpoint):
                         capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.loads(ev.stdout.strip().splitlines()[-1])["step"] == 6
+
+
+def test_journal_segments_are_part_objects(bucket):
+    """A journal segment on an object store: records wait in memory, each sync uploads them as
+    the next part (whole or absent); a failed upload keeps them for the next one, in order."""
+    from async_rl import journal_store
+    d = storage.run_path(f"{bucket}/run") / "journal" / "p0"
+    seg = journal_store.create(d / "00000001.jrn")
+    seg.write(b"header|")
+    seg.write(b"a|")
+    assert journal_store.segment_files(d) == []  # nothing uploaded before a sync
+    seg.sync()
+    seg.write(b"b|")
+    real = storage.write_atomic
+    storage.write_atomic = lambda p, data: (_ for _ in ()).throw(OSError("store unreachable"))
+    try:
+        with pytest.raises(OSError):
+            seg.sync()
+    finally:
+        storage.write_atomic = real
+    seg.write(b"c|")
+    seg.sync()
+    assert [p.name for p in journal_store.segment_files(d)] == ["00000001.jrn"]
+    assert storage.read_log(d / "00000001.jrn") == b"header|a|b|c|"
+    assert len(storage.segments(d / "00000001.jrn")) == 2
+    journal_store.delete(d / "00000001.jrn")
+    assert journal_store.segment_files(d) == [] and storage.read_log(d / "00000001.jrn") == b""
+
+
+@pytest.mark.slow
+def test_journal_keeps_finished_samples_across_a_kill(gcs_endpoint, xla_cache):
+    """The rollout journal on gs://: samples finished after the last checkpoint of a SIGKILLed
+    run are uploaded as part objects and trained as journaled after the resume, not generated
+    again; the audit passes and reward.png is written to the bucket."""
+    from helpers import run_cli
+    from objstore import new_bucket
+
+    from async_rl.audit import audit
+    from async_rl.journal_format import read_segment
+    from async_rl.journal_store import segment_files
+    from async_rl.ledger import Ledger
+    from async_rl.lineage import read_jsonl
+    from async_rl.saved_run import read_ledgers
+    run = f"{new_bucket('gs')}/run"
+    rp = storage.run_path(run)
+    ov = ["data.num_records=32", "rollout.prompts_per_step=2", "checkpoint.every_steps=4", "checkpoint.async=false",
+          "log.rollouts=true", "journal.fsync_every_s=0.1", "log.plot=true"]
+    r = run_cli(run, *ov, cache=xla_cache, kill_at="step:7", delay="step:0.3")
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert "journal" not in r.stderr  # on by default, no warning
+    step, _, shards = read_ledgers(run, warn=print)
+    assert step == 4
+    done = {(g.epoch, g.prompt_id, j) for shard in shards for g in Ledger.from_snapshot(shard).groups.values()
+            for j, s in enumerate(g.samples) if s.done}
+    trained_before = {(x["epoch"], x["prompt_id"]) for x in read_jsonl(rp / "lineage.jsonl") if x["step"] <= 4}
+    journaled = {(e.epoch, e.prompt_id, e.sample): e.tokens.tolist()
+                 for path in segment_files(rp / "journal" / "p0") for e in read_segment(path).entries
+                 if (e.epoch, e.prompt_id) not in trained_before and (e.epoch, e.prompt_id, e.sample) not in done}
+    assert len(journaled) >= 4, len(journaled)
+
+    r = run_cli(run, *ov, cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed step 4" in r.stderr and "journal: supplied" in r.stderr, r.stderr[-3000:]
+    after = [x for x in read_jsonl(rp / "rollouts.jsonl") if x["step"] > 4]
+    trained = {(x["epoch"], x["prompt_id"], j): s["tokens"] for x in after for j, s in enumerate(x["samples"])}
+    assert all(trained[k] == v for k, v in journaled.items())  # trained exactly as journaled
+    last = read_jsonl(rp / "metrics.jsonl")[-1]
+    assert last["rollout/journal_samples"] == len(journaled) and last["rollout/journal_unused"] == 0
+    assert audit(run)["ok"]
+    assert len(segment_files(rp / "journal" / "p0")) == 1  # compacted: only the last segment is left
+    assert storage.size(rp / "reward.png") > 1000
