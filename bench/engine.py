@@ -60,6 +60,7 @@ from async_rl.decoding import generate_all
 from async_rl.engine import Engine, sample_token, token_key
 from async_rl.model import Transformer, layout
 from async_rl.plan import chip_for
+from async_rl.rollout import BuiltinRollout
 
 
 def parse_args():
@@ -84,6 +85,9 @@ def parse_args():
     ap.add_argument("--backend", default="builtin",
                     help="fair: comma list of rollout backends, builtin and/or vllm (the [vllm] extra; the model "
                          "gets Qwen2's q/k/v biases and is written as a Hugging Face directory vLLM reads)")
+    ap.add_argument("--layouts", default="",
+                    help="fair: the builtin engine once per KV-cache layout, side by side (comma list of "
+                         f"{', '.join(LAYOUTS)}); default: the layout the engine picks on this platform")
     ap.add_argument("--hbm-gbps", type=float, default=0.0,
                     help="roofline: HBM bandwidth in GB/s; 0 = the chip's published figure (none on CPU)")
     args = ap.parse_args()
@@ -91,7 +95,15 @@ def parse_args():
     if bad or not args.parts:
         ap.error(f"--parts: unknown {sorted(bad)} (known: fair, recompute, roofline)")
     args.backends = backends.parse(args.backend)
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    if set(args.layouts) - set(LAYOUTS):
+        ap.error(f"--layouts: unknown {sorted(set(args.layouts) - set(LAYOUTS))} (known: {', '.join(LAYOUTS)})")
     return args
+
+
+# the engine's KV-cache layouts: one [L, S, Hkv, T, hd] buffer written in place each step (GPU,
+# CPU), or read-only during a K-step call with its new columns in a block beside it (TPU)
+LAYOUTS = {"stacked": dict(recent=False), "recent": dict(recent=True)}
 
 
 def block(x):
@@ -233,8 +245,9 @@ def compare(name: str, rollouts: dict, ep, run, prompts, samples: int, limits, p
             "tokens": st_useful, "secs": secs, "tps": {b: st_useful / t for b, t in secs.items()}}
 
 
-def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: int) -> None:
-    """The first table: the same rows through the static-batch decoder and each backend."""
+def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: int, layouts: dict) -> None:
+    """The first table: the same rows through the static-batch decoder and each backend
+    (the builtin one once per layout of `layouts`, where given)."""
     g, ep = args.samples, st.params
     n_prompts = args.waves * s // g
     base_prompts = [rs.randint(0, args.vocab, rs.randint(p // 2, p + 1)).astype(np.int32) for _ in range(n_prompts)]
@@ -246,10 +259,16 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
     varied = rs.randint(1, n_new + 1, (n_prompts, g)).tolist()  # per sequence, like an EOS drawn at random
     rollouts, labels = {}, {"builtin": f"builtin engine, continuous batching (K={k})"}
     for b in args.backends:
-        rollouts[b], start_s = backends.make(b, st)
-        t0 = time.perf_counter()
-        run_continuous(rollouts[b], base_prompts, g, varied)  # compiles what the timed runs meet
-        print(f"warm-up: {b} start {start_s:.1f} s, one untimed pass {time.perf_counter() - t0:.1f} s")
+        for name, r in (layouts.items() if b == "builtin" and layouts else [(None, None)]):
+            key = f"builtin/{name}" if name else b
+            if name:
+                rollouts[key], start_s = r, 0.0
+                labels[key] = f"builtin engine, {name} KV cache, continuous batching (K={k})"
+            else:
+                rollouts[key], start_s = backends.make(b, st)
+            t0 = time.perf_counter()
+            run_continuous(rollouts[key], base_prompts, g, varied)  # compiles what the timed runs meet
+            print(f"warm-up: {key} start {start_s:.1f} s, one untimed pass {time.perf_counter() - t0:.1f} s")
     if "vllm" in rollouts:
         import vllm
         labels["vllm"] = f"vLLM {vllm.__version__} in-process, continuous batching (chunks of K={k})"
@@ -272,8 +291,12 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
                   f"{'met' if r >= thr else 'NOT met'}")
         if "vllm" in rollouts:
             print(f"{c['name']}: vllm vs static batch {c['tps']['vllm'] / c['static_tps']:.2f}x")
-        if len(rollouts) == 2:
+        if "vllm" in rollouts and "builtin" in rollouts:
             print(f"{c['name']}: vllm vs builtin: {c['tps']['vllm'] / c['tps']['builtin']:.2f}x")
+        first = next((b for b in rollouts if b.startswith("builtin/")), None)
+        for b in (b for b in rollouts if b.startswith("builtin/") and b != first):
+            print(f"{c['name']}: {b.split('/')[1]} vs {first.split('/')[1]} KV cache: "
+                  f"{c['tps'][b] / c['tps'][first]:.2f}x")
     for r in rollouts.values():
         getattr(r, "close", lambda: None)()
 
@@ -389,7 +412,12 @@ def main():
         generate_all(eng, ep, prompts[:1], eos_id=None)  # every decode window
         print(f"compile: engine {time.perf_counter() - t0:.1f} s (prefill+insert+generate, K={k})")
     if "fair" in parts:
-        fair(args, st, graphdef, rs, p, n_new, s, k)
+        layouts = {}
+        for name in args.layouts:
+            e = Engine(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
+                       seed=args.seed, devices=dev, steps_per_call=k, **sampling, **LAYOUTS[name])
+            layouts[name] = BuiltinRollout(e, e.load_params(params), 0)
+        fair(args, st, graphdef, rs, p, n_new, s, k, layouts)
     if "recompute" in parts:
         recompute(args, eng, ep, graphdef, prompts, p, n_new, s)
     if "roofline" in parts:
