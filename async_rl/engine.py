@@ -128,7 +128,6 @@ def sample_token(logits_V, key, *, temperature: float, top_k: int, top_p: float)
 
 
 AXES = ("data", "tensor")
-PER_LAYER_MIN_SLOTS = 128  # CPU: the per-layer cache's default from this many slots (`Engine`)
 
 
 def engine_mesh(devices, tensor: int = 1) -> Mesh:
@@ -181,7 +180,7 @@ class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
                  steps_per_call: int = 1, tensor: int = 1, windows: bool = True, unroll: bool | int = 1,
-                 all_devices=None, recent: bool | None = None, per_layer: bool | None = None):
+                 all_devices=None, recent: bool | None = None):
         """`windows`: decode reads only a bucket of the cache's columns (`decode_window`);
         False reads all P + N (the choice then never depends on other slots' lengths).
         `unroll`: layers per decode scan iteration (True: all; `plan` counts costs so).
@@ -189,11 +188,7 @@ class Engine:
         process, this one's equal to `devices`), so weights are published in one program.
         `recent`: a multi-step call keeps its new columns in a block beside the cache and
         writes them once at its end (`model.Recent`); None: on TPU only (elsewhere the
-        cache is written in place each step, which costs less there).
-        `per_layer`: the KV cache as one buffer per layer, layers unrolled in decode, each
-        written and read in place (`model.KVCache`); None: on CPU with at least 128 slots,
-        where it was measured faster (256 slots, d 128: 8.6-9.0 vs 10.2-10.9 ms per token;
-        32 slots, d 512: 11.5 vs 10.7, slower). Not with `recent`."""
+        cache is written in place each step, which costs less there)."""
         self.unroll = unroll
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
@@ -213,11 +208,6 @@ class Engine:
         self.version: int | None = None
         platform = self.mesh.devices.flat[0].platform
         self.recent = platform == "tpu" if recent is None else recent
-        if per_layer is None:
-            per_layer = platform == "cpu" and not self.recent and slots >= PER_LAYER_MIN_SLOTS
-        self.per_layer = per_layer
-        if self.per_layer and self.recent:
-            raise ValueError("Engine: recent=True needs the stacked cache (per_layer=False)")
         self.attn = attention.resolve(model_cfg.attention, platform, model_cfg.dtype, self.mesh, ("data",), "tensor")
         self._global_mesh = self._every_process_mesh(all_devices)
 
@@ -226,10 +216,7 @@ class Engine:
         data = "data" if slots % self.mesh.shape["data"] == 0 and self.mesh.shape["data"] > 1 else None
         heads = "tensor" if tensor > 1 else None
         per_slot = NamedSharding(self.mesh, PS(data))
-        if self.per_layer:  # L x [S, Hkv, T, hd]
-            cache_sh = (NamedSharding(self.mesh, PS(data, heads, None, None)),) * model_cfg.n_layers
-        else:  # [L, S, Hkv, T, hd]
-            cache_sh = NamedSharding(self.mesh, PS(None, data, heads, None, None))
+        cache_sh = NamedSharding(self.mesh, PS(None, data, heads, None, None))  # [L, S, Hkv, T, hd]
         prefix_cache = NamedSharding(self.mesh, PS(None, None, heads, None, None))
         self._replicated = rep
         self._state_sharding = DecodeArrays(
@@ -505,7 +492,7 @@ class Engine:
     def _init_impl(self) -> DecodeArrays:
         s = self.max_concurrent_decodes
         zeros = jnp.zeros((s,), jnp.int32)
-        return DecodeArrays(cache=init_cache(self.model_cfg, s, self.width, layers=self.per_layer),
+        return DecodeArrays(cache=init_cache(self.model_cfg, s, self.width),
                            logits_SxV=jnp.zeros((s, self.vocab_size), jnp.float32), cols_S=zeros,
                            starts_S=zeros, ordinals_S=zeros, samples_S=zeros,
                            active_S=jnp.zeros((s,), bool))
@@ -522,14 +509,10 @@ class Engine:
         def one(i, st):
             slot, row = slots_B[i], rows_B[i]
 
-            def put(c, p):  # c [(L,) S, Hkv, T, hd] <- p [(L,) B, Hkv, W, hd]
-                lead = c.ndim - 4
-                r = jax.lax.dynamic_index_in_dim(p, row, axis=lead).astype(c.dtype)
-                return jax.lax.dynamic_update_slice(c, r, (0,) * lead + (slot, 0, prefix.col0, 0))
-            rows = prefix.cache  # stacked [L, B, ...]; split per layer for a per-layer cache
-            if self.per_layer:
-                rows = {n: tuple(rows[n][i] for i in range(self.model_cfg.n_layers)) for n in ("k", "v")}
-            return DecodeArrays(cache=jax.tree.map(put, st.cache, rows),
+            def put(c, p):  # c [L, S, Hkv, T, hd] <- p [L, B, Hkv, W, hd]
+                r = jax.lax.dynamic_index_in_dim(p, row, axis=1).astype(c.dtype)
+                return jax.lax.dynamic_update_slice(c, r, (0, slot, 0, prefix.col0, 0))
+            return DecodeArrays(cache=jax.tree.map(put, st.cache, prefix.cache),
                                logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
                                cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
                                starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),

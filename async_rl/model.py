@@ -41,15 +41,9 @@ REMAT = ("none", "block", "dots")
 
 class KVCache(TypedDict):
     # kv heads before columns: a decode step's attention reads each head's [T, hd] block
-    # as it lies (columns first made the TPU compiler copy a transposed layer per step).
-    # Stacked, or one buffer per layer (`per_layer`): a layer's buffer is then read and
-    # written where it lies, where slicing a stacked one copies it (XLA:CPU does).
-    k: jax.Array | tuple[jax.Array, ...]  # [n_layers, B, Hkv, T, hd] or n_layers x [B, Hkv, T, hd]; after RoPE
-    v: jax.Array | tuple[jax.Array, ...]  # as k
-
-
-def per_layer(cache: KVCache) -> bool:
-    return isinstance(cache["k"], (tuple, list))
+    # as it lies (columns first made the TPU compiler copy a transposed layer per step)
+    k: jax.Array  # [n_layers, B, Hkv, T, hd]; after RoPE
+    v: jax.Array  # as k
 
 
 @jax.tree_util.register_dataclass
@@ -84,14 +78,11 @@ def write_recent(cache: KVCache, recent: Recent) -> KVCache:
     return {"k": write(cache["k"], recent.k), "v": write(cache["v"], recent.v)}
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, layers: bool = False) -> KVCache:
-    """Zeroed cache; layers stacked first and batch second so a slot is `[:, s]`, or
-    (`layers`) one buffer per layer, batch first."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """Zeroed cache; layers stacked first and batch second so a slot is `[:, s]`."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch, cfg.n_kv_heads, max_len, cfg.resolved_head_dim)
-    if layers:
-        return {n: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)) for n in ("k", "v")}
-    return {n: jnp.zeros((cfg.n_layers, *shape), dtype) for n in ("k", "v")}
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.resolved_head_dim)
+    return {n: jnp.zeros(shape, dtype) for n in ("k", "v")}
 
 
 def layout(prompt_len: int, max_prompt_len: int, width: int, n_filled: int | None = None):
@@ -416,13 +407,12 @@ class Transformer(nnx.Module):
         by one scatter after it (written in the loop, the TPU compiler copied the cache).
         With `recent` (a multi-step call) the cache holds columns below `recent.c0_B` and
         is not written: the recent columns are attended as a block of their own and this
-        token's k/v joins them. A cache of one buffer per layer (`per_layer`) is written in
-        place layer by layer instead (`_decode_per_layer`).
+        token's k/v joins them.
 
         Returns (logits [B, V] fp32, cache with this token's k/v written at cols_B), or
         with `recent`, (logits, recent holding one more column)."""
         b = tokens_B.shape[0]
-        width = cache["k"][0].shape[2] if per_layer(cache) else cache["k"].shape[3]
+        width = cache["k"].shape[3]
         t = width if window is None else min(window, width)
         c = jnp.arange(t)
         below_B = cols_B if recent is None else recent.c0_B
@@ -430,10 +420,6 @@ class Transformer(nnx.Module):
         if recent is not None:
             mask_BxK = jnp.broadcast_to(jnp.arange(recent.k.shape[3])[None] < recent.n, (b, recent.k.shape[3]))
         x = self._embed(tokens_B[:, None], cols_B[:, None])
-        if per_layer(cache):
-            if recent is not None:
-                raise ValueError("decode: a multi-step call's recent block needs the stacked cache")
-            return self._decode_per_layer(x, positions_B, cols_B, mask_BxT, cache, t)
 
         def body(x, block, i):
             q, k, v = block.qkv(x, positions_B[:, None], pin=True)
@@ -452,20 +438,3 @@ class Transformer(nnx.Module):
         # [:, rows, :, cols] puts the indexed (row) axis first: updates are [B, L, Hkv, hd]
         write = lambda c, new: c.at[:, rows, :, cols_B].set(new.swapaxes(0, 1).astype(c.dtype))
         return self._logits(x[:, 0]), {"k": write(cache["k"], k_LxBxGxD), "v": write(cache["v"], v_LxBxGxD)}
-
-    def _decode_per_layer(self, x, positions_B, cols_B, mask_BxT, cache: KVCache, t: int):
-        """`decode` over one cache buffer per layer, layers unrolled: each writes its new
-        k/v into its buffer in place, then attends it, so no layer's weights or cache are
-        copied (XLA:CPU copies the slices a layer scan reads)."""
-        graphdef, blocks = nnx.split(self.layers)
-        rows = jnp.arange(x.shape[0])
-        out: dict[str, list] = {"k": [], "v": []}
-        for i in range(self.cfg.n_layers):
-            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], blocks))
-            q, k, v = block.qkv(x, positions_B[:, None], pin=True)
-            for name, new in (("k", k), ("v", v)):
-                c = cache[name][i]
-                out[name].append(c.at[rows, :, cols_B].set(new[:, 0].astype(c.dtype)))
-            keys, values = out["k"][i][:, :, :t].astype(k.dtype), out["v"][i][:, :, :t].astype(v.dtype)
-            x = block.finish(x, attention.one_query(q, keys, values, mask_BxT, k[:, 0], v[:, 0]))
-        return self._logits(x[:, 0]), {"k": tuple(out["k"]), "v": tuple(out["v"])}

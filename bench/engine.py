@@ -285,9 +285,10 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
                  for b in rollouts]
     common.print_table(["lengths", "decoder", "useful tok/s", "time", "work"], rows, align="<<>><")
     for c, thr in zip(comps, (1.0, 1.5)):
-        if "builtin" in rollouts:
-            r = c["tps"]["builtin"] / c["static_tps"]
-            print(f"{c['name']}: engine vs static batch {r:.2f}x   target >= {thr:.1f}x: "
+        for b in (b for b in rollouts if b.split("/")[0] == "builtin"):
+            r = c["tps"][b] / c["static_tps"]
+            lay = f" ({b.split('/')[1]} KV cache)" if "/" in b else ""
+            print(f"{c['name']}: engine{lay} vs static batch {r:.2f}x   target >= {thr:.1f}x: "
                   f"{'met' if r >= thr else 'NOT met'}")
         if "vllm" in rollouts:
             print(f"{c['name']}: vllm vs static batch {c['tps']['vllm'] / c['static_tps']:.2f}x")

@@ -237,4 +237,4 @@ def finish_job(procs: list[subprocess.Popen], timeout: float = 300, kill_rest: b
 # Engine KV-cache layouts (`Engine` kwargs): one buffer per layer written in place (CPU
 # default from 128 slots), stacked and written after each step's layer loop, stacked and
 # written once per call (`recent`, the TPU default)
-CACHE_LAYOUTS = {"per_layer": dict(per_layer=True), "stacked": dict(per_layer=False), "recent": dict(recent=True)}
+CACHE_LAYOUTS = {"stacked": dict(recent=False), "recent": dict(recent=True)}

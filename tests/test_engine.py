@@ -113,8 +113,8 @@ def test_sharded_slots_over_all_devices_match_one_device(model, prompts):
     assert len(jax.devices()) == 4
     one = make_engine(graphdef, temperature=1.0)
     many = make_engine(graphdef, temperature=1.0, devices=None)
-    k0 = jax.tree.leaves(many.init_decode_state().arrays.cache["k"])[0]  # [S, ...] per layer, or [L, S, ...]
-    assert k0.sharding.spec[0 if many.per_layer else 1] == "data"
+    k0 = many.init_decode_state().arrays.cache["k"]  # [L, S, ...]
+    assert k0.sharding.spec[1] == "data"
     a = generate_all(one, one.load_params(params), prompts, samples=2, eos_id=EOS)
     b = generate_all(many, many.load_params(params), prompts, samples=2, eos_id=EOS)
     for ra, rb in zip(a, b):
@@ -181,31 +181,18 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
     assert set(np.asarray(toks).tolist()) == {greedy}
 
 
-def test_cache_layout_defaults(model):
-    """CPU: one buffer per layer from 128 slots (measured faster there, slower at 32); the
-    stacked cache below; never both per-layer and the recent block."""
-    graphdef, _ = model
-    kw = dict(vocab_size=V, max_prompt_len=P, max_new_tokens=N, temperature=1.0, top_k=0, top_p=1.0, seed=7,
-              devices=jax.devices()[:1])
-    assert not Engine(CFG, graphdef, slots=4, **kw).per_layer
-    assert Engine(CFG, graphdef, slots=128, **kw).per_layer
-    assert not Engine(CFG, graphdef, slots=128, recent=True, **kw).per_layer
-    with pytest.raises(ValueError, match="recent"):
-        Engine(CFG, graphdef, slots=4, recent=True, per_layer=True, **kw)
-
-
-@pytest.mark.parametrize("devices,layout", [("one", "per_layer"), (None, "per_layer"), ("one", "stacked"),
-                                            ("one", "recent"), (None, "recent")])
+@pytest.mark.parametrize("devices,layout", [("one", "stacked"), (None, "stacked"), ("one", "recent"),
+                                            (None, "recent")])
 def test_generate_steps_equals_single_steps(model, prompts, devices, layout):
     """K decode steps in one call produce the tokens and logprobs of K single calls of the
     stacked cache, in every cache layout."""
     graphdef, params = model
     devices = jax.devices()[:1] if devices == "one" else jax.devices()
     one = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                 top_k=5, top_p=1.0, seed=7, devices=devices, per_layer=False)
+                 top_k=5, top_p=1.0, seed=7, devices=devices, recent=False)
     many = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
                   top_k=5, top_p=1.0, seed=7, devices=devices, steps_per_call=3, **CACHE_LAYOUTS[layout])
-    assert (many.recent, many.per_layer) == (layout == "recent", layout == "per_layer")
+    assert many.recent == (layout == "recent")
     p1, pk = one.load_params(params), many.load_params(params)
     s1, sk = one.init_decode_state(), many.init_decode_state()
     for slot in range(4):
@@ -227,7 +214,7 @@ def test_generate_steps_equals_single_steps(model, prompts, devices, layout):
     np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)
 
 
-@pytest.mark.parametrize("k,layout", [(1, "per_layer"), (4, "per_layer"), (4, "stacked"), (4, "recent")])
+@pytest.mark.parametrize("k,layout", [(1, "stacked"), (4, "stacked"), (4, "recent")])
 def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k, layout):
     """Once every active slot samples its last column (P + N - 1) in a call, the forward pass
     after it has no use and is not compiled into that call; tokens and logprobs stay those

@@ -77,17 +77,17 @@ def model():
     return graphdef, jax.tree.map(lambda x: x * 3.0, params)
 
 
-@pytest.mark.parametrize("tensor,per_layer", [(2, True), (4, True), (4, False)])
-def test_tensor_parallel_generates_what_one_device_does(model, tensor, per_layer):
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_tensor_parallel_generates_what_one_device_does(model, tensor):
     graphdef, params = model
     ps = prompts()
     one = make_engine(CFG, graphdef)
-    tp = make_engine(CFG, graphdef, devices=jax.devices(), tensor=tensor, per_layer=per_layer)
+    tp = make_engine(CFG, graphdef, devices=jax.devices(), tensor=tensor)
     assert dict(tp.mesh.shape) == {"data": 4 // tensor, "tensor": tensor}
     p = tp.load_params(params)
     assert p["layers"]["attn"]["q"]["kernel"].sharding.spec[-1] == "tensor"
-    k0 = jax.tree.leaves(tp.init_decode_state().arrays.cache["k"])[0]  # [S, Hkv, T, hd] per layer, or [L, S, Hkv, T, hd]
-    assert k0.sharding.spec[1 if per_layer else 2] == "tensor"
+    k0 = tp.init_decode_state().arrays.cache["k"]  # [L, S, Hkv, T, hd]
+    assert k0.sharding.spec[2] == "tensor"
     a = generate_all(one, one.load_params(params), ps, samples=2, eos_id=EOS)
     b = generate_all(tp, p, ps, samples=2, eos_id=EOS)
     worst = 0.0
@@ -135,14 +135,14 @@ def long_engine(graphdef, **kw):
                   top_k=0, top_p=1.0, seed=7, devices=kw.pop("devices", jax.devices()[:1]), **kw)
 
 
-@pytest.mark.parametrize("steps,layout", [(1, "per_layer"), (3, "per_layer"), (3, "stacked"), (3, "recent")])
+@pytest.mark.parametrize("steps,layout", [(1, "stacked"), (3, "stacked"), (3, "recent")])
 def test_decode_windows_match_full_width(model, steps, layout):
-    """Windowed decode, in each KV-cache layout (one buffer per layer; stacked; stacked with a
-    call's new columns kept beside it and written at its end), equals full-width decode of
-    the stacked cache writing every step."""
+    """Windowed decode, in each KV-cache layout (written every step; or with a call's new
+    columns kept beside it and written at its end), equals full-width decode writing every
+    step."""
     graphdef, params = model
     win = long_engine(graphdef, steps_per_call=steps, **CACHE_LAYOUTS[layout])
-    full = long_engine(graphdef, steps_per_call=steps, windows=False, per_layer=False)
+    full = long_engine(graphdef, steps_per_call=steps, windows=False, recent=False)
     assert win.windows == (16, 32, 48) and full.windows == (48,)
     ps = prompts(6, seed=1)
     outs = []
