@@ -54,13 +54,14 @@ def test_cost_counts_every_loop_iteration(monkeypatch):
 
 def test_not_fitting_exits_1_and_names_knobs(capsys):
     code = cli.main(["plan", "--config", "configs/tiny.yaml", "--topology", "cpu:4", "--hbm-gib", "0.0001",
-                     "--no-cost", *BASE])
+                     "--no-cost", "--no-engine", *BASE])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out and "learner.remat=block" in out
 
 
 def test_json_has_the_fields_and_estimates(capsys):
-    code = cli.main(["plan", "--config", "configs/tiny.yaml", "--topology", "cpu:4", "--json", *BASE])
+    # the learner's fields (the engine's: test_engine_part_splits_weights_and_cache_and_counts_every_layer)
+    code = cli.main(["plan", "--config", "configs/tiny.yaml", "--topology", "cpu:4", "--json", "--no-engine", *BASE])
     rep = json.loads(capsys.readouterr().out)
     assert code == 0 and rep["fits"] is True
     for k in ("hbm_bytes", "learner_bytes_per_chip", "flops_per_chip", "bytes_accessed_per_chip", "est_step_s",

@@ -137,22 +137,6 @@ def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
     assert "learner.lr: saved 0.001, now 0.0005" in changed
 
 
-@pytest.mark.slow
-def test_a_grown_prompt_file_is_refused_and_touches_nothing(tmp_path, xla_cache):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}{i}=", "answer": f"{i}{i}"}) + "\n" for i in range(12)))
-    ov = ["data.source=jsonl", f"data.path={data}", "data.num_records=0", "rollout.reward=exact_match",
-          "rollout.prompts_per_step=3", "train.max_steps=2"]
-    r = run_cli(tmp_path / "run", *ov, cache=xla_cache)
-    assert r.returncode == 0, r.stderr
-    before = tree_digest(tmp_path / "run")
-    with data.open("a") as f:
-        f.write(json.dumps({"prompt": "77=", "answer": "77"}) + "\n")
-    r = run_cli(tmp_path / "run", *ov, cache=xla_cache)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert tree_digest(tmp_path / "run") == before
-
-
 def test_more_epochs_continue_a_finished_run(tmp_path, xla_cache):
     ov = ["data.num_records=8", "rollout.prompts_per_step=4"]
     r = run_cli(tmp_path, *ov, cache=xla_cache)
@@ -181,7 +165,7 @@ def test_damaged_latest_step_falls_back(tmp_path, xla_cache):
     assert sorted(p for ids in steps.values() for p in ids) == list(range(15))
 
 
-def test_an_edited_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_cache):
+def test_an_edited_or_grown_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_cache):
     data = tmp_path / "prompts.jsonl"
     lines = [json.dumps({"prompt": f"{i}{i + 1}=", "answer": f"{i + 1}{i}"}) + "\n" for i in range(12)]
     data.write_text("".join(lines))
@@ -194,6 +178,10 @@ def test_an_edited_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_c
     r = run_cli(tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=4", cache=xla_cache)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "prompt file changed" in r.stderr and "line 1 (prompt_id 0)" in r.stderr, r.stderr[-2000:]
+    assert tree_digest(tmp_path / "run") == before
+    data.write_text("".join([*lines, json.dumps({"prompt": "77=", "answer": "77"}) + "\n"]))  # grown by a line
+    r = run_cli(tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=4", cache=xla_cache)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert tree_digest(tmp_path / "run") == before
     moved = tmp_path / "elsewhere" / "prompts.jsonl"
     moved.parent.mkdir()
