@@ -77,11 +77,14 @@ def cut_events(tb_dir: Path, step: int) -> int:
     """Rewrites each TensorBoard event file of `tb_dir` without the events after `step` (those
     a killed session logged past its last checkpoint) and any torn last record; returns the
     events dropped. Each file is replaced atomically, and only when something is dropped."""
+    paths = sorted(Path(tb_dir).glob("events.out.tfevents.*")) if Path(tb_dir).is_dir() else []
+    if not paths:
+        return 0  # tensorboardX (and the cloud clients it imports) is not loaded for nothing
     from tensorboardX.proto.event_pb2 import Event
     from tensorboardX.record_writer import masked_crc32c
 
     dropped = 0
-    for path in sorted(Path(tb_dir).glob("events.out.tfevents.*")) if Path(tb_dir).is_dir() else []:
+    for path in paths:
         raw, keep, pos, cut = path.read_bytes(), [], 0, False
         while pos < len(raw):
             head = raw[pos:pos + 12]

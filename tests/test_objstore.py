@@ -340,7 +340,7 @@ KILLED = [pytest.param("gs", 3, marks=pytest.mark.slow, id="gs"),
 
 
 @pytest.mark.parametrize("scheme,random_kills", KILLED)
-def test_run_killed_four_times_resumes_exactly_once(scheme, random_kills, request, xla_cache, tmp_path):
+def test_run_killed_four_times_resumes_exactly_once(scheme, random_kills, request, xla_cache, tmp_path, capsys):
     """A tiny run on gs:// (fake-gcs-server) or s3:// (moto): SIGKILLed inside a checkpoint save
     and `random_kills` times at random moments, each restart resumes (a stale lease of a killed
     process is taken over, a half-written step is never restored), a second train on the same
@@ -380,22 +380,17 @@ def test_run_killed_four_times_resumes_exactly_once(scheme, random_kills, reques
     p = _train(run, xla_cache)
     assert p.wait(timeout=900) == 0, p.stderr.read()[-3000:]
     assert kills == 1 + random_kills
-    audit = subprocess.run([sys.executable, "-m", "async_rl", "audit", "--json", run], capture_output=True, text=True,
-                           timeout=300)
-    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
-    rep = json.loads(audit.stdout)
+    # the commands, in this process (CI time): the audit, eval and export read the run where it is
+    from async_rl import cli
+    capsys.readouterr()
+    assert cli.main(["audit", "--json", run]) == 0
+    rep = json.loads(capsys.readouterr().out)
     assert rep["finished"] and rep["epochs"][0]["trained_once"] == 36 and not rep["problems"]
     assert not storage.exists(storage.run_path(run) / ".lock")  # released at the end
-
-    # eval and export read the finished run where it is
-    ev = subprocess.run([sys.executable, "-m", "async_rl", "eval", "--json", run, "eval.num_records=16"],
-                        capture_output=True, text=True, timeout=300)
-    assert ev.returncode == 0, ev.stderr[-3000:]
-    assert json.loads(ev.stdout.strip().splitlines()[-1])["step"] == max(committed_steps(ckpt)) == 12
+    assert cli.main(["eval", "--json", run, "eval.num_records=16"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == max(committed_steps(ckpt)) == 12
     out = tmp_path / "hf"
-    ex = subprocess.run([sys.executable, "-m", "async_rl", "export", run, "--out", str(out)], capture_output=True,
-                        text=True, timeout=300)
-    assert ex.returncode == 0, ex.stderr[-3000:]
+    assert cli.main(["export", run, "--out", str(out)]) == 0
     assert (out / "model.safetensors").stat().st_size > 0 and (out / "config.json").exists()
 
 

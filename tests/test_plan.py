@@ -83,7 +83,7 @@ def test_bad_input_exits_2(topology, extra, needle, capsys):
 
 @pytest.mark.slow
 def test_engine_part_splits_weights_and_cache_and_counts_every_layer():
-    cfg = cfg_of("engine.tensor=2", "engine.max_concurrent_decodes=8", "model.n_kv_heads=2", "model.n_layers=5")
+    cfg = cfg_of("engine.tensor=2", "engine.max_concurrent_decodes=8", "model.n_kv_heads=2")
     rep = PL.plan(cfg, "cpu:4")
     ep = rep.parts["engine"]
     m, width = cfg.model, 8 + 8
