@@ -274,7 +274,6 @@ class Journal:
         gen, pi, pc = self.layout
         try:
             seg = journal_store.create(path)
-            seg.closed_at = None  # the checkpoint cut that closes it
             seg.write(encode_header({"format": FORMAT, "generation": gen, "process": pi, "processes": pc,
                                             "step": step, "time": time.time(), "signature": self.sig}))
         except OSError as e:

@@ -27,6 +27,7 @@ class FileSegment:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self.new = True  # its directory entry is not fsynced yet
         self.dirty = True
+        self.closed_at: int | None = None  # the checkpoint cut that closed it (set by the journal)
 
     @property
     def open(self) -> bool:
@@ -65,6 +66,7 @@ class ObjectSegment:
         self._seq = 0
         self._open = True
         self.dirty = True
+        self.closed_at: int | None = None  # the checkpoint cut that closed it (set by the journal)
 
     @property
     def open(self) -> bool:
