@@ -173,8 +173,9 @@ def test_lease_has_one_winner(bucket):
 
 
 HOLD = """
-import sys, time
+import sys, time, types
 from async_rl import rundir, storage
+{prelude}
 run = storage.run_path(sys.argv[1])
 lock = rundir.run_lock(run, 0, lease_s=float(sys.argv[2]))
 lock.acquire(run)
@@ -188,7 +189,8 @@ def test_lease_renewed_refused_then_taken_over(bucket):
     once SIGKILLed, its lease is taken over (its pid is gone from this host); a lease from
     another host is taken over only after lease_s without renewal."""
     run = storage.run_path(f"{bucket}/run")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run), "2"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(prelude=""), str(run), "2"], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         deadline = time.monotonic() + 5  # 2.5 leases
@@ -214,18 +216,12 @@ def test_lease_renewed_refused_then_taken_over(bucket):
     lock.release()
 
 
-HOLD_SKEWED = """
-import sys, time, types
-from async_rl import rundir, storage
+# HOLD on "another host" whose clock is an hour behind this one's
+SKEWED = """
 real = time.time
 rundir.time = types.SimpleNamespace(time=lambda: real() - 3600, monotonic=time.monotonic, sleep=time.sleep,
-                                    strftime=time.strftime, localtime=time.localtime)  # an hour behind
+                                    strftime=time.strftime, localtime=time.localtime)
 rundir.socket = types.SimpleNamespace(gethostname=lambda: "elsewhere")
-run = storage.run_path(sys.argv[1])
-lock = rundir.run_lock(run, 0, lease_s=float(sys.argv[2]))
-lock.acquire(run)
-print("held", flush=True)
-time.sleep(120)
 """
 
 
@@ -234,7 +230,8 @@ def test_lease_of_a_holder_whose_clock_is_behind_is_not_taken(bucket):
     one, renews a lease that looks an hour old here. It is watched for 1.5 renewal intervals,
     seen renewed, and refused, not taken over."""
     run = storage.run_path(f"{bucket}/run")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_SKEWED, str(run), "2"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(prelude=SKEWED), str(run), "2"],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
@@ -424,7 +421,7 @@ def test_elastic_resume_two_processes_to_one(gcs_endpoint):
     assert json.loads(ev.stdout.strip().splitlines()[-1])["step"] == 6
 
 
-def test_journal_segments_are_part_objects(bucket):
+def test_journal_segments_are_part_objects(bucket, monkeypatch):
     """A journal segment on an object store: records wait in memory, each sync uploads them as
     the next part (whole or absent); a failed upload keeps them for the next one, in order."""
     from async_rl import journal_store
@@ -435,13 +432,10 @@ def test_journal_segments_are_part_objects(bucket):
     assert journal_store.segment_files(d) == []  # nothing uploaded before a sync
     seg.sync()
     seg.write(b"b|")
-    real = storage.write_atomic
-    storage.write_atomic = lambda p, data: (_ for _ in ()).throw(OSError("store unreachable"))
-    try:
-        with pytest.raises(OSError):
-            seg.sync()
-    finally:
-        storage.write_atomic = real
+    monkeypatch.setattr(storage, "write_atomic", lambda p, data: (_ for _ in ()).throw(OSError("store unreachable")))
+    with pytest.raises(OSError):
+        seg.sync()
+    monkeypatch.undo()
     seg.write(b"c|")
     seg.sync()
     assert [p.name for p in journal_store.segment_files(d)] == ["00000001.jrn"]
