@@ -257,18 +257,18 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
     print(f"compile: static batch {time.perf_counter() - t0:.1f} s")
     equal = [[n_new] * g for _ in range(n_prompts)]
     varied = rs.randint(1, n_new + 1, (n_prompts, g)).tolist()  # per sequence, like an EOS drawn at random
-    rollouts, labels = {}, {"builtin": f"builtin engine, continuous batching (K={k})"}
+    rollouts, start_s, labels = {}, {}, {"builtin": f"builtin engine, continuous batching (K={k})"}
     for b in args.backends:
-        for name, r in (layouts.items() if b == "builtin" and layouts else [(None, None)]):
-            key = f"builtin/{name}" if name else b
-            if name:
-                rollouts[key], start_s = r, 0.0
-                labels[key] = f"builtin engine, {name} KV cache, continuous batching (K={k})"
-            else:
-                rollouts[key], start_s = backends.make(b, st)
-            t0 = time.perf_counter()
-            run_continuous(rollouts[key], base_prompts, g, varied)  # compiles what the timed runs meet
-            print(f"warm-up: {key} start {start_s:.1f} s, one untimed pass {time.perf_counter() - t0:.1f} s")
+        if b == "builtin" and layouts:  # the builtin engine once per layout, built by main
+            for name, r in layouts.items():
+                rollouts[f"builtin/{name}"], start_s[f"builtin/{name}"] = r, 0.0
+                labels[f"builtin/{name}"] = f"builtin engine, {name} KV cache, continuous batching (K={k})"
+        else:
+            rollouts[b], start_s[b] = backends.make(b, st)
+    for key, r in rollouts.items():
+        t0 = time.perf_counter()
+        run_continuous(r, base_prompts, g, varied)  # compiles what the timed runs meet
+        print(f"warm-up: {key} start {start_s[key]:.1f} s, one untimed pass {time.perf_counter() - t0:.1f} s")
     if "vllm" in rollouts:
         import vllm
         labels["vllm"] = f"vLLM {vllm.__version__} in-process, continuous batching (chunks of K={k})"
