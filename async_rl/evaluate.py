@@ -63,25 +63,39 @@ def build_eval_set(cfg: C.Config, tok) -> EvalSet:
 
 
 class Evaluator:
-    """Scores weights on the eval set with an engine of its own (same devices as generation)."""
+    """Scores weights on the eval set: on a view of the run's vLLM engine (`rollout`: the same
+    weights and KV cache as training rollouts, no second copy), on a vLLM engine of its own
+    (`engine.backend=vllm` without one: `async-rl eval`), or on a built-in engine of its own
+    (same devices as generation)."""
 
-    def __init__(self, cfg: C.Config, graphdef, vocab_size: int, tok, reward_fn, devices=None):
+    def __init__(self, cfg: C.Config, graphdef, vocab_size: int, tok, reward_fn, devices=None, rollout=None):
         self.cfg, self.tok, self.reward_fn = cfg, tok, reward_fn
         self.set = build_eval_set(cfg, tok)
         self.k = cfg.eval.samples_per_prompt
         greedy = self.k == 1
         slots = min(cfg.engine.max_concurrent_decodes, max(1, len(self.set.prompts) * self.k))
-        self.engine = Engine(cfg.model, graphdef, vocab_size=vocab_size, slots=slots,
-                             max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
-                             temperature=0.0 if greedy else cfg.engine.temperature,
-                             top_k=0 if greedy else cfg.engine.top_k, top_p=1.0 if greedy else cfg.engine.top_p,
-                             seed=cfg.run.seed, devices=devices, tensor=cfg.engine.tensor,
-                             steps_per_call=cfg.engine.steps_per_call)
+        e = cfg.engine
+        sampling = dict(temperature=0.0, top_k=0, top_p=1.0) if greedy else dict(
+            temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
         self._stops = tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
+        self.on_run_engine = rollout is not None  # scores what that engine runs (the caller loads it)
+        if rollout is not None:
+            self.backend = rollout.view(slots, **sampling)
+        elif e.backend == "vllm":
+            from .vllm_rollout import from_config
+            self.backend = from_config(C.replace(cfg, engine={"max_concurrent_decodes": slots}), self._stops,
+                                       tok.vocab_size, None, 0, greedy=greedy)
+        else:
+            self.backend = Engine(cfg.model, graphdef, vocab_size=vocab_size, slots=slots,
+                                  max_prompt_len=e.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
+                                  seed=cfg.run.seed, devices=devices, tensor=e.tensor,
+                                  steps_per_call=e.steps_per_call, **sampling)
 
     def describe(self) -> str:
         how = "greedy, pass@1" if self.k == 1 else f"{self.k} samples at T={self.cfg.engine.temperature}, pass@{self.k}"
-        return f"{len(self.set.prompts)} prompts ({self.set.source}; {how})"
+        where = ("; on the run's vLLM engine" if self.on_run_engine
+                 else "; on vLLM" if not isinstance(self.backend, Engine) else "")
+        return f"{len(self.set.prompts)} prompts ({self.set.source}; {how}{where})"
 
     def __call__(self, params) -> dict[str, float]:
         """`eval/*` metrics of `params` (any layout: they are put on the engine's devices)."""
@@ -94,8 +108,12 @@ class Evaluator:
         # sampling keys come from (seed, ordinal, sample, position): give eval prompts ordinals of
         # their own, far from the training stream's
         ordinals = [EVAL_ORDINAL_BASE + i for i in range(len(self.set.prompts))]
-        comps = generate_all(self.engine, self.engine.load_params(params), self.set.prompts, samples=self.k,
-                             eos_id=self._stops, ordinals=ordinals)
+        if isinstance(self.backend, Engine):
+            params = self.backend.load_params(params)
+        elif not self.on_run_engine:
+            self.backend.swap(params, 0)
+        comps = generate_all(self.backend, params, self.set.prompts, samples=self.k, eos_id=self._stops,
+                             ordinals=ordinals, max_new_tokens=self.cfg.rollout.max_new_tokens)
         scores = np.array([[self._score(c.tokens, ans) for c in per] for per, ans in zip(comps, self.set.answers)])
         return scores, np.array([[len(c.tokens) for c in per] for per in comps])
 
@@ -112,11 +130,16 @@ class Evaluator:
         return float(self.reward_fn(completion_text(self.tok, tokens.tolist()), answer))
 
 
-def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None) -> Evaluator | None:
+def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, rollout=None) -> Evaluator | None:
     if not cfg.eval.every_steps:
         return None
     _, reward_fn = rewards.reward_for_config(cfg)
-    return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices)
+    return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices, rollout=rollout)
+
+
+def eval_slots(cfg: C.Config) -> int:
+    """Slots an evaluator needs at most (room kept for it in a shared vLLM engine)."""
+    return cfg.engine.max_concurrent_decodes if cfg.eval.every_steps else 0
 
 
 def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] = (),
@@ -137,6 +160,9 @@ def open_eval(run_dir: str | Path, step: int | None = None, overrides: list[str]
     run = open_run(run_dir)
     cfg, tok, vocab = C.with_overrides(run.cfg, overrides), run.tok, run.vocab
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every_steps=cfg.eval.every_steps or 1))
+    if cfg.engine.backend == "vllm":
+        from .vllm_rollout import split_gpu_memory
+        split_gpu_memory(cfg.engine.gpu_memory_utilization)  # before JAX takes a GPU
     step, params = read_params(dataclasses.replace(run, cfg=cfg), step, warn=warn)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0),
                                                               n_tokens=tok.vocab_size)), nnx.Param)[0]

@@ -410,13 +410,14 @@ def _write_file(file: Path, items: list[tuple[str, Any, bool, np.dtype]]) -> Non
 
 
 def hf_arrays(params):
-    """(HF name, host array in the HF layout) for every tensor of `params`, one at a time
-    (e.g. to load the weights into another engine without writing files)."""
+    """(HF name, array in the HF layout) for every tensor of `params`, one at a time, computed
+    where the parameter lives (a layer's slice and a transpose are device ops; no host copy),
+    e.g. to hand the weights to another engine in the same process without writing files."""
     for ours, leaf in _flat(params)[0]:
         leaf = leaf.get_value() if _is_var(leaf) else leaf
         for name, _, layer, transposed in hf_tensors(ours, tuple(leaf.shape)):
-            host = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
-            yield name, host.T if transposed else host
+            x = leaf if layer is None else leaf[layer]
+            yield name, x.T if transposed else x
 
 
 def save_hf(params, model_cfg: ModelConfig, vocab_size: int, out_dir: str | Path, *, dtype: str | None = None,

@@ -128,6 +128,19 @@ class Pump:
             self.ledger.changed.notify_all()
         self._computing.put(params)
 
+    def wait_for_weights(self, version: int, timeout_s: float) -> None:
+        """Blocks until the backend runs `version` (published) or newer: another view of the same
+        engine then scores exactly those weights. Raises the pump's error, or after `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        with self.ledger.changed:
+            while self.version < version:
+                if self.error is not None or not self.alive:
+                    raise RuntimeError(f"the rollout stopped before loading the weights of step {version}"
+                                       + (f": {self.error}" if self.error is not None else ""))
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the rollout did not load the weights of step {version} in {timeout_s:.0f} s")
+                self.ledger.changed.wait(0.05)
+
     def _watch_computed(self) -> None:
         while (params := self._computing.get()) is not None:
             try:

@@ -8,7 +8,8 @@ asynchronous chunks). Does not own: which samples go where (pump), the ledger, r
 
 Call order, all from one thread: `start` and `stop` for slots, `step` dispatches a chunk,
 `collect` waits for it; `swap` only between a `collect` and the next `step`, and a chunk
-says which weights made each of its tokens (per-token versions are exact).
+says which weights made each of its tokens (per-token versions are exact). A backend that
+offers views of one engine (vLLM: evaluation beside training) serialises them itself.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from . import signals as sig
 from .checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
 from .config import Config, ConfigError
 from .engine import Engine
-from .evaluate import make_evaluator
+from .evaluate import eval_slots, make_evaluator
 from .learner import Learner, Row, build_batch, params_fingerprint
 from .ledger import Ledger
 from .lineage import RunLogs
@@ -49,6 +49,10 @@ from .pump import Pump
 from .sampler import Hooks, Stopped, make_sampler
 from .tbwriter import cut_events
 from .tokenizer import build_tokenizer
+
+# Evaluation on the pump's vLLM engine waits at most this long for it to load a step's weights
+# (at its next chunk; without rollout.partial, once its slots drain), seconds.
+EVAL_WAIT_S = 600.0
 
 
 @dataclass
@@ -328,16 +332,19 @@ class Session:
         params_e = self.engine_params()
         self.engine.update_params(params_e, self.step)
         rollout = self.engine
-        if cfg.engine.backend == "vllm":  # the built-in engine stays for eval and weight placement
+        if cfg.engine.backend == "vllm":  # the built-in engine stays for weight placement (casts, layout)
             from .vllm_rollout import from_config
-            rollout = from_config(cfg, self.stop_ids, parts.tok.vocab_size, params_e, self.step)
+            rollout = from_config(cfg, self.stop_ids, parts.tok.vocab_size, params_e, self.step,
+                                  spare_slots=eval_slots(cfg) if self.primary else 0)
         self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=rollout, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,
                          prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s)
         self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
-                                        devices=list(self.engine.mesh.devices.flat)) if self.primary else None
+                                        devices=list(self.engine.mesh.devices.flat),
+                                        rollout=rollout if rollout is not self.engine else None
+                                        ) if self.primary else None
         if self.evaluator is not None:
             log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
         self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
@@ -518,6 +525,11 @@ class Session:
     def evaluate(self) -> dict:
         """Held-out scores of the weights after this step (in this step's metrics row)."""
         t0 = time.perf_counter()
+        if self.evaluator.on_run_engine:  # it scores the weights the pump's vLLM engine runs
+            if self.pump.alive:  # loaded at the pump's next swap point (published: the step's weights)
+                self.pump.wait_for_weights(self.step, EVAL_WAIT_S)
+            elif self.pump.rollout.version != self.step:
+                self.pump.rollout.swap(self.params_e, self.step)
         out = self.evaluator(self.params_e)
         out["perf/eval_s"] = time.perf_counter() - t0
         self.evaluated = self.step

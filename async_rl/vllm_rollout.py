@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from . import hf
@@ -40,15 +43,34 @@ def sample_seed(seed: int, ordinal: int, sample: int, n: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def torch_weights(params, tie_embeddings: bool):
-    """(HF name, torch tensor) for every weight of `params` (host copies); a tied head is
-    passed as `lm_head.weight` explicitly (vLLM's reload expects it)."""
+def torch_weights(params, tie_embeddings: bool, device):
+    """(HF name, torch tensor) for every weight of `params`, one at a time, sharing memory with
+    a JAX array on `device` (a `jax.Device`: vLLM's) through DLPack: on a GPU the weights never
+    leave it, on a CPU they are not copied. A tied head is passed as `lm_head.weight`
+    explicitly (vLLM's reload expects it)."""
     import torch
 
-    out = [(name, torch.from_numpy(np.require(a, requirements=("C", "W")))) for name, a in hf.hf_arrays(params)]
-    if tie_embeddings and not any(n == "lm_head.weight" for n, _ in out):
-        out += [("lm_head.weight", t) for n, t in out if n == "model.embed_tokens.weight"]
-    return out
+    for name, x in hf.hf_arrays(params):
+        t = _dlpack(x, device, torch)
+        yield name, t
+        if tie_embeddings and name == "model.embed_tokens.weight":
+            yield "lm_head.weight", t
+
+
+def _dlpack(x, device, torch):
+    if not isinstance(x, jax.Array):  # host weights (e.g. read from a checkpoint)
+        return torch.from_numpy(np.require(np.asarray(x), requirements=("C", "W")))
+    if device in x.sharding.device_set and x.is_fully_replicated:
+        x = next(s.data for s in x.addressable_shards if s.device == device)
+    else:  # sharded, or elsewhere: gathered onto vLLM's device (device to device)
+        x = jax.device_put(x, device)
+    return torch.from_dlpack(x)
+
+
+def jax_device(torch_device):
+    """The JAX device that is vLLM's torch device (cuda:N is JAX's GPU N in the process)."""
+    kind = "cpu" if torch_device.type == "cpu" else "gpu"
+    return jax.devices(kind)[torch_device.index or 0]
 
 
 def untruncated_logprobs(sampler) -> None:
@@ -84,127 +106,173 @@ def split_gpu_memory(vllm_fraction: float, margin: float = 0.05) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{max(0.05, 1.0 - vllm_fraction - margin):.2f}")
 
 
-def from_config(cfg, stop_ids: Sequence[int], n_tokens: int, params, version: int) -> "VLLMRollout":
+def from_config(cfg, stop_ids: Sequence[int], n_tokens: int, params, version: int, *,
+                spare_slots: int = 0, greedy: bool = False) -> "VLLMRollout":
     """The backend for a run's config (`engine.*`, `rollout.max_new_tokens`, `model.hf_path`);
-    `n_tokens`: the tokenizer's vocabulary size (ids at or above it are never sampled)."""
+    `n_tokens`: the tokenizer's vocabulary size (ids at or above it are never sampled);
+    `spare_slots`: room in the engine for a `view` beside these slots (evaluation)."""
     e = cfg.engine
     return VLLMRollout(hf_path=cfg.model.hf_path, slots=e.max_concurrent_decodes, steps_per_call=e.steps_per_call,
                        max_prompt_len=e.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
-                       temperature=e.temperature, top_k=e.top_k, top_p=e.top_p, seed=cfg.run.seed,
-                       stop_ids=stop_ids, dtype=cfg.model.dtype, tie_embeddings=cfg.model.tie_embeddings,
-                       gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_gib=e.vllm_cpu_kv_cache_gib,
-                       n_tokens=n_tokens, enforce_eager=e.vllm_enforce_eager, params=params, version=version)
+                       temperature=0.0 if greedy else e.temperature, top_k=0 if greedy else e.top_k,
+                       top_p=1.0 if greedy else e.top_p, seed=cfg.run.seed, stop_ids=stop_ids, dtype=cfg.model.dtype,
+                       tie_embeddings=cfg.model.tie_embeddings, gpu_memory_utilization=e.gpu_memory_utilization,
+                       cpu_kv_cache_gib=e.vllm_cpu_kv_cache_gib, n_tokens=n_tokens,
+                       enforce_eager=e.vllm_enforce_eager, params=params, version=version, spare_slots=spare_slots)
+
+
+class _Shared:
+    """One vLLM engine and what its views share: its weights' version, and which view and slot
+    made each request (an engine step's outputs go to their owners, whichever view stepped)."""
+
+    def __init__(self, llm, seed: int, stops: tuple[int, ...], tie: bool):
+        self.llm, self.engine = llm, llm.llm_engine
+        self.seed, self.stops, self.tie = seed, stops, tie
+        self.lock = threading.RLock()  # vLLM's engine is not thread-safe: every call holds it
+        self.owner: dict[str, tuple[VLLMRollout, int]] = {}
+        self.n = 0  # requests made (unique ids)
+        self.version = 0
+        self.publish_s = 0.0  # seconds the last weight load took
+
+    @property
+    def runner(self):
+        return self.engine.model_executor.driver_worker.worker.model_runner
 
 
 class VLLMRollout:
     def __init__(self, *, hf_path: str, slots: int, steps_per_call: int, max_prompt_len: int, max_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: int, stop_ids: Sequence[int], dtype: str,
                  tie_embeddings: bool, gpu_memory_utilization: float, cpu_kv_cache_gib: int,
-                 n_tokens: int = 0, enforce_eager: bool = False, params=None, version: int = 0):
+                 n_tokens: int = 0, enforce_eager: bool = False, params=None, version: int = 0, spare_slots: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights load without IPC
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM
 
-        self.capacity, self.steps_per_call, self.version = slots, steps_per_call, version
-        self.seed, self.tie = seed, tie_embeddings
-        self.stops = tuple(int(t) for t in stop_ids)
-        self._sampling = dict(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p)
         # prefix caching off: a prompt cached under old weights would be reused under new ones
-        self.llm = LLM(model=str(hf_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                       max_model_len=max_prompt_len + max_new_tokens, max_num_seqs=slots,
-                       enable_prefix_caching=False, logprobs_mode="processed_logprobs",
-                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
-        self.engine = self.llm.llm_engine
-        untruncated_logprobs(self._runner().sampler)
+        llm = LLM(model=str(hf_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                  max_model_len=max_prompt_len + max_new_tokens, max_num_seqs=slots + spare_slots,
+                  enable_prefix_caching=False, logprobs_mode="processed_logprobs",
+                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+        shared = _Shared(llm, seed, tuple(int(t) for t in stop_ids), tie_embeddings)
+        self.device = jax_device(shared.runner.device)  # where published weights are handed over
+        untruncated_logprobs(shared.runner.sampler)
+        sampling = dict(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p)
         # embedding rows past the tokenizer (HF checkpoints pad them) are never sampled, and
         # the logprobs normalise over the tokenizer's ids, as the learner's do (model.n_tokens)
-        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        vocab = llm.llm_engine.model_config.get_vocab_size()
         if 0 < n_tokens < vocab:
-            self._sampling["allowed_token_ids"] = list(range(n_tokens))
+            sampling["allowed_token_ids"] = list(range(n_tokens))
+        self._attach(shared, slots, steps_per_call, sampling)
+        if params is not None:
+            self.swap(params, version)
+
+    def _attach(self, shared: _Shared, slots: int, steps_per_call: int, sampling: dict) -> None:
+        self.s, self.capacity, self.steps_per_call, self._sampling = shared, slots, steps_per_call, sampling
         self._req: list[str | None] = [None] * slots  # slot -> its running request
         self._buf: list[list] = [[] for _ in range(slots)]  # slot -> [(token, logprob, version)] not yet taken
         self._left = [0] * slots  # slot -> tokens its request may still produce
         self._done = [True] * slots  # slot -> its request finished in vLLM
-        self._slot_of: dict[str, int] = {}
-        self._n = 0  # requests made (unique ids)
-        self.publish_s = 0.0  # seconds spent loading weights
-        if params is not None:
-            self.swap(params, version)
 
-    def _runner(self):
-        return self.engine.model_executor.driver_worker.worker.model_runner
+    def view(self, slots: int, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> "VLLMRollout":
+        """`slots` more on the same engine and weights, sampling their own way (evaluation beside
+        training rollouts): both views' requests run in the same engine steps. The engine's
+        room (`spare_slots`) bounds what runs at once; more requests wait in its queue."""
+        v = object.__new__(VLLMRollout)
+        v.device = self.device
+        v._attach(self.s, slots, self.steps_per_call,
+                  dict(self._sampling, temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p))
+        return v
+
+    @property
+    def version(self) -> int:
+        return self.s.version
+
+    @property
+    def publish_s(self) -> float:
+        return self.s.publish_s
 
     def swap(self, params, version: int) -> None:
-        import time
-        t0 = time.perf_counter()
-        self._runner().reload_weights(weights_iterator=iter(torch_weights(params, self.tie)),
-                                      is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()
-        self.version = version
-        self.publish_s = time.perf_counter() - t0
+        """Loads `params` in place between engine steps: every view runs them from its next step."""
+        with self.s.lock:
+            t0 = time.perf_counter()
+            self.s.runner.reload_weights(weights_iterator=torch_weights(params, self.s.tie, self.device),
+                                         is_checkpoint_format=True)
+            self.s.llm.reset_prefix_cache()
+            self.s.version = version
+            self.s.publish_s = time.perf_counter() - t0
 
     def start(self, starts: Sequence[Start]) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self.stop([s.slot for s in starts])
-        for s in starts:
-            rid = f"{s.ordinal}-{s.sample}-{len(s.tokens)}-{self._n}"
-            self._n += 1
-            sp = SamplingParams(max_tokens=s.budget, seed=sample_seed(self.seed, s.ordinal, s.sample, len(s.tokens)),
-                                logprobs=0, ignore_eos=True, stop_token_ids=list(self.stops), detokenize=False,
-                                output_kind=RequestOutputKind.DELTA, **self._sampling)
-            ids = [int(t) for t in np.asarray(s.prompt).reshape(-1)] + [int(t) for t in s.tokens]
-            self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
-            self._req[s.slot], self._slot_of[rid] = rid, s.slot
-            self._buf[s.slot], self._left[s.slot], self._done[s.slot] = [], s.budget, False
+        with self.s.lock:
+            self.stop([s.slot for s in starts])
+            for s in starts:
+                rid = f"{s.ordinal}-{s.sample}-{len(s.tokens)}-{self.s.n}"
+                self.s.n += 1
+                sp = SamplingParams(max_tokens=s.budget, logprobs=0, ignore_eos=True,
+                                    seed=sample_seed(self.s.seed, s.ordinal, s.sample, len(s.tokens)),
+                                    stop_token_ids=list(self.s.stops), detokenize=False,
+                                    output_kind=RequestOutputKind.DELTA, **self._sampling)
+                ids = [int(t) for t in np.asarray(s.prompt).reshape(-1)] + [int(t) for t in s.tokens]
+                self.s.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                self._req[s.slot], self.s.owner[rid] = rid, (self, s.slot)
+                self._buf[s.slot], self._left[s.slot], self._done[s.slot] = [], s.budget, False
 
     def stop(self, slots: Sequence[int]) -> None:
-        aborts = []
-        for slot in slots:
-            rid = self._req[slot]
-            if rid is None:
-                continue
-            if not self._done[slot]:
-                aborts.append(rid)
-            self._slot_of.pop(rid, None)
-            self._req[slot], self._buf[slot], self._done[slot] = None, [], True
-        if aborts:
-            self.engine.abort_request(aborts)
+        with self.s.lock:
+            aborts = []
+            for slot in slots:
+                rid = self._req[slot]
+                if rid is None:
+                    continue
+                if not self._done[slot]:
+                    aborts.append(rid)
+                self.s.owner.pop(rid, None)
+                self._req[slot], self._buf[slot], self._done[slot] = None, [], True
+            if aborts:
+                self.s.engine.abort_request(aborts)
 
     def forget(self, ordinals: Sequence[int]) -> None:
         pass  # nothing cached per prompt
 
+    def _receive(self, slot: int, out, version: int) -> None:
+        comp = out.outputs[0]
+        lps = comp.logprobs or [{} for _ in comp.token_ids]
+        for tok, lp in zip(comp.token_ids, lps):
+            self._buf[slot].append((int(tok), float(lp[tok].logprob) if tok in lp else float("nan"), version))
+        self._left[slot] -= len(comp.token_ids)
+        if out.finished:
+            self._done[slot] = True
+            self.s.owner.pop(out.request_id, None)
+
     def step(self, live: Sequence[bool]):
+        """Steps the engine until every live slot has a chunk (or its end); the lock is let go
+        between engine steps, so another view's thread steps it too."""
         self.stop([slot for slot in range(self.capacity) if not live[slot] and self._req[slot] is not None])
         k = self.steps_per_call
         want = [slot for slot in range(self.capacity) if live[slot]]
-        while any(not self._done[s] and len(self._buf[s]) < k for s in want):
-            if not self.engine.has_unfinished_requests():
-                raise RuntimeError("vllm: live samples but no unfinished request")
-            for out in self.engine.step():
-                slot = self._slot_of.get(out.request_id)
-                if slot is None:
-                    continue  # aborted meanwhile
-                comp = out.outputs[0]
-                lps = comp.logprobs or [{} for _ in comp.token_ids]
-                for tok, lp in zip(comp.token_ids, lps):
-                    self._buf[slot].append((int(tok), float(lp[tok].logprob) if tok in lp else float("nan"),
-                                            self.version))
-                self._left[slot] -= len(comp.token_ids)
-                if out.finished:
-                    self._done[slot] = True
-                    self._slot_of.pop(out.request_id, None)
+        while True:
+            with self.s.lock:
+                if not any(not self._done[s] and len(self._buf[s]) < k for s in want):
+                    break
+                if not self.s.engine.has_unfinished_requests():
+                    raise RuntimeError("vllm: live samples but no unfinished request")
+                outs, version = self.s.engine.step(), self.s.version
+                for out in outs:
+                    if (owner := self.s.owner.get(out.request_id)) is not None:  # else aborted meanwhile
+                        owner[0]._receive(owner[1], out, version)
         toks = np.zeros((k, self.capacity), np.int32)
         lps = np.zeros((k, self.capacity), np.float32)
         vers = np.full((k, self.capacity), self.version, np.int64)
-        for slot in want:
-            take, self._buf[slot] = self._buf[slot][:k], self._buf[slot][k:]
-            if len(take) < k and self._done[slot] and self._left[slot] > 0 and (
-                    not take or take[-1][0] not in self.stops):
-                raise RuntimeError(f"vllm: a request ended early in slot {slot} ({self._left[slot]} tokens left)")
-            for i, (t, lp, v) in enumerate(take):
-                toks[i, slot], lps[i, slot], vers[i, slot] = t, lp, v
+        with self.s.lock:
+            for slot in want:
+                take, self._buf[slot] = self._buf[slot][:k], self._buf[slot][k:]
+                if len(take) < k and self._done[slot] and self._left[slot] > 0 and (
+                        not take or take[-1][0] not in self.s.stops):
+                    raise RuntimeError(f"vllm: a request ended early in slot {slot} ({self._left[slot]} tokens left)")
+                for i, (t, lp, v) in enumerate(take):
+                    toks[i, slot], lps[i, slot], vers[i, slot] = t, lp, v
         return Chunk(toks, lps, self.version, vers)
 
     def collect(self, pending) -> Chunk:

@@ -42,10 +42,13 @@ def rollout(path, **sampling):
                        gpu_memory_utilization=0.5, cpu_kv_cache_gib=1, n_tokens=NT, **sampling)
 
 
+EVAL_SLOTS = 2  # room in the module's engine for a view beside its training slots
+
+
 @pytest.fixture(scope="module")
 def setup(checkpoint):
     path, mcfg, params, graphdef, _ = checkpoint
-    r = rollout(path, top_k=0, top_p=1.0)
+    r = rollout(path, top_k=0, top_p=1.0, spare_slots=EVAL_SLOTS)
     yield r, mcfg, params, graphdef
     r.close()
 
@@ -146,10 +149,52 @@ def test_a_saved_sample_continues_with_its_remaining_budget(setup):
     assert gap <= 1e-4, gap
 
 
-def test_hf_arrays_name_every_tensor(setup):
-    _, _, params, _ = setup
-    names = {n for n, _ in hf.hf_arrays(params)}
-    assert "model.embed_tokens.weight" in names and "model.layers.1.self_attn.q_proj.bias" in names
+def test_published_weights_reach_vllm_through_dlpack_without_a_copy(setup):
+    """Every HF tensor is handed over; one already on vLLM's device in the HF layout is the same
+    memory on both sides (on a GPU: the weights never leave it)."""
+    import jax
+
+    from async_rl.vllm_rollout import torch_weights
+
+    r, _, params, _ = setup
+    here = jax.device_put(params, r.device)
+    arrays = dict(hf.hf_arrays(here))
+    tensors = dict(torch_weights(here, True, r.device))
+    assert "model.embed_tokens.weight" in arrays and "model.layers.1.self_attn.q_proj.bias" in arrays
+    assert set(tensors) == set(arrays) | {"lm_head.weight"}
+    emb = arrays["model.embed_tokens.weight"]
+    assert tensors["model.embed_tokens.weight"].data_ptr() == emb.unsafe_buffer_pointer()
+    assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]  # the tied head
+    for name, t in dict(torch_weights(params, True, r.device)).items():  # sharded: gathered
+        np.testing.assert_array_equal(t.numpy(), np.asarray(arrays.get(name, emb)))
+
+
+def test_an_eval_view_runs_beside_training_samples_on_the_same_engine(setup):
+    """Greedy evaluation on a view of the engine while another thread generates training
+    samples on it: each sees only its own requests' tokens, the view's are the learner's
+    argmax, the training samples keep the learner's logprobs and the engine's version."""
+    import threading
+
+    from async_rl.decoding import generate_all
+
+    r, _, params, graphdef = setup
+    r.swap(params, 3)
+    ev = r.view(EVAL_SLOTS, temperature=0.0)
+    ps = prompts(SLOTS + 3, seed=60)
+    train: dict = {}
+    t = threading.Thread(target=lambda: train.update(run(r, [Start(s, 60 + s, 0, ps[s], (), N)
+                                                             for s in range(SLOTS)])))
+    t.start()
+    comps = generate_all(ev, None, ps[SLOTS:], eos_id=0, ordinals=[1 << 30, 1 + (1 << 30), 2 + (1 << 30)],
+                         max_new_tokens=N)  # three prompts through two slots: one refill
+    t.join(timeout=120)
+    assert not t.is_alive() and sorted(train) == list(range(SLOTS))
+    for p, (c,) in zip(ps[SLOTS:], comps):
+        assert 1 <= len(c.tokens) <= N
+        assert list(scaled_logits(graphdef, params, p, c.tokens).argmax(-1)) == c.tokens.tolist()
+    for s, (tk, lp, v) in train.items():
+        assert v == [3] * len(tk)
+        assert np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s], tk)).max() <= 1e-4
 
 
 TOP_K, TOP_P = 5, 0.8
@@ -179,3 +224,23 @@ def test_behaviour_logprobs_with_top_k_and_top_p_are_the_learners(checkpoint):
             drawn += 1
     assert gap <= 1e-4, gap
     assert drawn >= SLOTS
+
+
+def test_a_run_on_vllm_evaluates_on_its_engine(tmp_path, capsys):
+    """A short run with engine.backend=vllm and held-out evaluation: the evaluator is a view of
+    the run's vLLM engine (no built-in engine of its own); it scores steps 2 and 3. Last in the
+    module: the run's vLLM engine, once collected, tears down vLLM's process-wide groups."""
+    from test_vllm_crash import vllm_run_overrides
+
+    from async_rl import cli
+    from async_rl.metrics import read_jsonl
+
+    args = vllm_run_overrides(tmp_path)
+    rc = cli.main(["train", "--config", "configs/tiny.yaml", *args, f"run.dir={tmp_path / 'run'}",
+                   "train.max_steps=3", "eval.every_steps=2", "log.progress=false", "log.tensorboard=false",
+                   "log.plot=false"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    assert "on the run's vLLM engine" in out.out + out.err
+    evals = {m["step"]: m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "eval/accuracy" in m}
+    assert sorted(evals) == [2, 3] and all(m["eval/completion_tokens"] >= 1 for m in evals.values())
