@@ -1,5 +1,5 @@
-"""Loss variants: the defaults give today's update bit for bit (fingerprints recorded before
-the variants existed), and every variant matches a small hand-computed example."""
+"""Loss variants: the defaults give today's update (recorded before the variants existed),
+and every variant matches a small hand-computed example."""
 
 import json
 
@@ -14,30 +14,39 @@ from async_rl import config as C
 from async_rl import losses
 from async_rl.learner import params_fingerprint
 
-# sha256 prefixes of the trained params under the default loss, taken before the loss
-# variants were added; any change to the default update changes them
-LEARNER_FP = {"default": "b74b1c40a630528a0c71bfa79e8b866b", "epochs": "ae40cbed10a203edd47cda64559be1ac"}
+# The update of three learner steps under the default loss (params after - params before): its
+# L2 norm and its projection on a fixed random unit direction. Recorded from the code whose
+# params hash was taken before the loss variants were added; a hash is not kept because XLA's
+# CPU code, and so the last bits, follow the host's instruction set (seen: SSE4.2 / AVX2 /
+# AVX-512 differ by 1e-8 in the norm, 3e-5 in the projection). Any change to the default
+# update moves them far more.
+LEARNER_UPDATE = {"default": (2.127980756329462, -1.5018867982072426),
+                  "epochs": (45.91275392738242, -0.9767971414106881)}
 CLI_FP = "a14bd76450382ead0a6a4e38dae069e8"
 
 
-def _three_steps(*overrides):
+def _update(*overrides) -> tuple[float, float]:
     cfg, learner = make(*overrides)
+    before = learner.init_params()
     state = learner.init_state(learner.init_params())
     ref = learner.init_params() if learner.use_ref else None
-    ms = []
     for seed in range(3):
-        state, m = learner.step(state, batch_of(cfg, random_rows(cfg, seed=10 + seed)), ref)
-        ms.append({k: float(v) for k, v in jax.device_get(m).items()})
-    return params_fingerprint(state["params"]), ms
+        state, _ = learner.step(state, batch_of(cfg, random_rows(cfg, seed=10 + seed)), ref)
+    d = np.concatenate([(np.asarray(jax.device_get(a), np.float64) - np.asarray(jax.device_get(b), np.float64)).ravel()
+                        for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(before))])
+    norm = float(np.linalg.norm(d))
+    return norm, float(d @ np.random.default_rng(0).standard_normal(d.size)) / norm
 
 
 @pytest.mark.parametrize("name, overrides", [
     ("default", ()),
     ("epochs", ("learner.ppo_epochs=2", "learner.minibatches=2", "learner.lr=3e-2", "learner.kl_coef=0.1")),
 ])
-def test_default_loss_is_unchanged_bit_for_bit(name, overrides):
-    fp, _ = _three_steps(*overrides)
-    assert fp == LEARNER_FP[name]
+def test_default_loss_is_unchanged(name, overrides):
+    norm, proj = _update(*overrides)
+    want_norm, want_proj = LEARNER_UPDATE[name]
+    assert norm == pytest.approx(want_norm, rel=1e-5)
+    assert proj == pytest.approx(want_proj, abs=1e-3)
 
 
 @pytest.mark.soak  # a whole deterministic run (~70 s on 2 busy cores)

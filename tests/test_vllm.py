@@ -1,6 +1,10 @@
 """The vLLM rollout backend on a small random Qwen2 checkpoint: behaviour logprobs against the
 learner's, weights loaded in place, exact per-token versions, continuations of saved
 samples. One vLLM engine for the module (its start-up dominates); skipped without vLLM."""
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from test_hf import CONFIGS, load, our_logits, random_weights, write_checkpoint
@@ -226,7 +230,7 @@ def test_behaviour_logprobs_with_top_k_and_top_p_are_the_learners(checkpoint):
     assert drawn >= SLOTS
 
 
-def test_a_run_on_vllm_evaluates_on_its_engine(tmp_path, capsys):
+def test_a_run_on_vllm_evaluates_on_its_engine(tmp_path, capsys, checkpoint):  # checkpoint: skips without vLLM
     """A short run with engine.backend=vllm and held-out evaluation: the evaluator is a view of
     the run's vLLM engine (no built-in engine of its own); it scores steps 2 and 3. Last in the
     module: the run's vLLM engine, once collected, tears down vLLM's process-wide groups."""
@@ -244,3 +248,12 @@ def test_a_run_on_vllm_evaluates_on_its_engine(tmp_path, capsys):
     assert "on the run's vLLM engine" in out.out + out.err
     evals = {m["step"]: m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "eval/accuracy" in m}
     assert sorted(evals) == [2, 3] and all(m["eval/completion_tokens"] >= 1 for m in evals.values())
+    # `async-rl eval` starts a vLLM engine of its own (a process of its own: see above) and,
+    # greedy, scores the saved step as the run did
+    r = subprocess.run([sys.executable, "-m", "async_rl", "eval", str(tmp_path / "run"), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["step"] == 3
+    assert {k: got[k] for k in evals[3] if k.startswith("eval/")} == {k: v for k, v in evals[3].items()
+                                                                    if k.startswith("eval/")}
