@@ -25,7 +25,7 @@ the last step of the run:
                 perf/regen_tokens_per_1k and the per-step trained token counts; '-' when
                 the run logs no such metric)
 
-Scenarios (the exact command of every run is printed):
+Scenarios (the exact command of every run is printed; hf_tiny only when asked, or with --backend vllm):
   balanced   the tiny preset with 32 engine slots (8 decode waves per step) on 2 forced
              CPU devices, engine on one and learner on the other (mesh.engine_devices=1):
              generating a step costs about as much as training one, so overlapping them is
@@ -41,6 +41,11 @@ Scenarios (the exact command of every run is printed):
   tiny       the tiny preset as it is, engine and learner on one forced CPU device each, at
              L=1 with the default engine.steps_per_call and with 1: the same pump
              tokens/s ratios as in keeps_up, where per-token host work weighs more.
+  hf_tiny    the tiny shape as a Hugging Face checkpoint this script writes (2 heads of 32; no
+             learned positions), loaded by every row: built-in rows at each lookahead and, with
+             --backend builtin,vllm, vLLM rows (engine.backend=vllm) at the same lookaheads on
+             the same checkpoint, prompts and settings; prints vllm vs builtin steps/s and pump
+             generation tokens/s. No target: the comparison users would make.
   disjoint_sim  a SIMULATION of disjoint hardware (bench/pipeline_sim.py): engine and
              learner are simulated remote devices whose work is a wait that releases the
              GIL, around the real pump, ledger, sampler and publishing, in one process; they
@@ -53,6 +58,7 @@ Scenarios (the exact command of every run is printed):
     python bench/async.py --scenarios balanced --steps 60 --repeats 3
     python bench/async.py --samplers in_order,fifo --staleness 1,2
     python bench/async.py --scenarios keeps_up,tiny --lookaheads 1 --baseline-rev c8fad11  # vs an older trainer
+    .venv-vllm/bin/python bench/async.py --backend builtin,vllm --lookaheads 0,1   # hf_tiny on both backends
 """
 
 from __future__ import annotations
@@ -98,6 +104,16 @@ SCENARIOS = {
         "target": None,  # only the steps_per_call comparison below
         "variants": {"steps_per_call=1": (1, ["engine.steps_per_call=1"])},
     },
+    "hf_tiny": {
+        "devices": 2,
+        "overrides": ["mesh.engine_devices=1", "tokenizer.kind=char", "eval.every_steps=0"],
+        "about": "a random model of the tiny shape (d 64, 2 layers, ff 256; 2 heads of 32, as vLLM's CPU attention "
+                 "has no kernel for 16; no learned positions) written as a Hugging Face directory that every row "
+                 "loads (model.hf_path); engine on 1 forced CPU device, learner on the other; with --backend "
+                 "builtin,vllm the vLLM rows (engine.backend=vllm) run beside the built-in ones",
+        "target": None,
+        "hf": True,  # the rows load the checkpoint main() writes (write_hf_tiny)
+    },
 }
 # Row knob per sampler: in_order bounds run-ahead in steps, the others staleness in versions.
 KNOB = {"in_order": "sampler.max_lookahead", "fifo": "sampler.max_staleness", "windowed": "sampler.max_staleness"}
@@ -113,8 +129,12 @@ def parse_args():
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--config", default="configs/tiny.yaml", help="preset every scenario starts from")
-    ap.add_argument("--scenarios", default=",".join([*SCENARIOS, "disjoint_sim"]),
-                    help=f"comma list of {', '.join(SCENARIOS)}, disjoint_sim")
+    ap.add_argument("--scenarios", default="",
+                    help=f"comma list of {', '.join(SCENARIOS)}, disjoint_sim (default: all but hf_tiny; with "
+                         "--backend naming vllm: hf_tiny)")
+    ap.add_argument("--backend", default="builtin",
+                    help="hf_tiny: comma list of builtin, vllm (vllm needs the [vllm] extra: run this script "
+                         "with .venv-vllm/bin/python)")
     ap.add_argument("--samplers", default="in_order", help="comma list of in_order, fifo, windowed")
     ap.add_argument("--lookaheads", default="0,1,2", help="in_order: sampler.max_lookahead values")
     ap.add_argument("--staleness", default="1,2", help="fifo/windowed: sampler.max_staleness values")
@@ -302,9 +322,10 @@ def export_rev(rev: str, root: Path) -> Path:
 def run_row(args, scen: dict, sampler: str, knob: int, run_dir: Path, cache: str,
             extra: list[str] = (), source: Path | None = None) -> tuple[dict | None, str, str]:
     """One run; `source`: a directory whose async_rl package runs instead of this tree's."""
+    hf_path = [f"model.hf_path={args.hf_dir}"] if scen.get("hf") else []
     overrides = [f"run.dir={run_dir}", "run.resume=never", f"run.compilation_cache={cache}",
                  f"train.max_steps={args.steps}", "checkpoint.every_steps=0", *common.QUIET,
-                 *scen["overrides"], *row_overrides(sampler, knob), *extra, *args.set]
+                 *scen["overrides"], *hf_path, *row_overrides(sampler, knob), *extra, *args.set]
     cli_argv = common.train_argv(args.config, overrides)[1:]  # -m async_rl train ...
     trace = run_dir / TRACE
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -330,6 +351,8 @@ def run_scenario(args, sname: str, samplers: list[str], knobs: dict, root: Path,
     scen = SCENARIOS[sname]
     print(f"\n== {sname}: {scen['about']}", flush=True)
     variants = dict(scen.get("variants", {}))  # label -> (lookahead, overrides): extra in_order rows
+    if scen.get("hf") and "vllm" in args.backends:
+        variants.update({f"vllm L={k}": (k, ["engine.backend=vllm"]) for k in knobs.get("in_order", [])})
     source = None
     if args.baseline_rev and variants:
         source = export_rev(args.baseline_rev, root)
@@ -370,7 +393,8 @@ def print_results(results: list) -> None:
     base = next((m for c, m, _ in results if c == ("in_order", 0, "") and m), None)
     table = []
     for (sampler, knob, label), m, rs in results:
-        name = (f"L={knob}" if sampler == "in_order" else f"S={knob}") + (f" {label}" if label else "")
+        shown = "vllm" if label.startswith("vllm") else label  # its lookahead is the row's
+        name = (f"L={knob}" if sampler == "in_order" else f"S={knob}") + (f" {shown}" if shown else "")
         if m is None:
             table.append([sampler, name, "failed"] + ["-"] * 11)
             continue
@@ -412,7 +436,12 @@ def verdicts_of(sname: str, variants: dict, scen: dict, results: list) -> list[s
         val = new["gen_tps"] / old["gen_tps"] if new and old and new["gen_tps"] and old["gen_tps"] else None
         line = (f"{sname}: pump generation tokens/s at L={k}, this tree at the default engine.steps_per_call "
                 f"vs ")
-        if label.startswith("rev "):  # the target: against the trainer as it was
+        if label.startswith("vllm"):  # the same checkpoint, prompts and settings on the other backend
+            ratio = lambda key: old[key] / new[key] if new and old and new[key] and old[key] else None
+            out.append(f"{sname}: engine.backend=vllm vs builtin at in_order L={k}: steps/s "
+                       f"{common.fmt(ratio('steps_per_s'), '.2f')}x, pump generation tokens/s "
+                       f"{common.fmt(ratio('gen_tps'), '.2f')}x (no target)")
+        elif label.startswith("rev "):  # the target: against the trainer as it was
             ok = val is not None and val >= GEN_SPEEDUP_TARGET
             out.append(f"{line}the trainer of revision {label[4:]} (its pump and engine, at its defaults) = "
                        f"{common.fmt(val, '.2f')}x; target >= {GEN_SPEEDUP_TARGET:.1f}x: {'met' if ok else 'NOT met'}")
@@ -444,11 +473,38 @@ def run_simulation(args) -> list[str]:
             f"target >= {SIM_TARGET}x: {'met' if ratio >= SIM_TARGET else 'NOT met'}"]
 
 
+def write_hf_tiny(root: Path, config: str) -> Path:
+    """hf_tiny's checkpoint: a random model of the preset's shape with 2 heads of 32 and the
+    char tokenizer's vocabulary, as a Hugging Face directory (config.json + safetensors)."""
+    from flax import nnx
+
+    from async_rl import config as C
+    from async_rl import hf
+    from async_rl.model import Transformer
+    from async_rl.tokenizer import build_tokenizer
+
+    cfg = C.load(config, ["model.n_heads=2", "model.n_kv_heads=2", "model.learned_positions=0"])
+    vocab = build_tokenizer(cfg.tokenizer, synthetic=True).vocab_size
+    params = nnx.state(Transformer(cfg.model, vocab, rngs=nnx.Rngs(cfg.run.seed)), nnx.Param)
+    return hf.save_hf(params, cfg.model, vocab, root / "hf_tiny")
+
+
 def main():
     args = parse_args()
     t_all = time.perf_counter()
     load0 = os.getloadavg()
-    scen_names = [s for s in args.scenarios.split(",") if s]
+    args.backends = [b for b in args.backend.split(",") if b]
+    if bad := sorted(set(args.backends) - {"builtin", "vllm"}):
+        print(f"--backend: unknown {bad} (known: builtin, vllm)", file=sys.stderr)
+        sys.exit(2)
+    if "vllm" in args.backends:
+        from async_rl import vllm_rollout
+        if (why := vllm_rollout.available()) is not None:
+            print(f"--backend vllm: {' '.join(why.split())} (`make venv-vllm` builds .venv-vllm with it)",
+                  file=sys.stderr)
+            sys.exit(2)
+    default = ["hf_tiny"] if "vllm" in args.backends else [s for s in SCENARIOS if s != "hf_tiny"] + ["disjoint_sim"]
+    scen_names = [s for s in args.scenarios.split(",") if s] or default
     samplers = [s for s in args.samplers.split(",") if s]
     for s in scen_names:
         if s not in SCENARIOS and s != "disjoint_sim":
@@ -463,6 +519,7 @@ def main():
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_async_"))
     root.mkdir(parents=True, exist_ok=True)
     cache = args.cache or str(root / "xla_cache")
+    args.hf_dir = write_hf_tiny(root, args.config) if any(SCENARIOS.get(s, {}).get("hf") for s in scen_names) else None
 
     print(f"bench/async.py: {os.cpu_count()} host CPUs, load average {load0[0]:.1f} at start; preset "
           f"{args.config}; {args.steps} steps per run, steady-state window = steps ({args.warmup}, last]; "

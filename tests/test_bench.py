@@ -24,16 +24,30 @@ def test_engine_bench_runs_every_part():
         assert line in r.stdout, r.stdout[-3000:]
 
 
-def test_engine_bench_without_vllm_names_the_extra():
+@pytest.mark.parametrize("script", ["bench/engine.py", "bench/async.py"])
+def test_a_bench_without_vllm_names_the_extra(script):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "bench/engine.py", "--backend", "builtin,vllm"], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, script, "--backend", "builtin,vllm"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-2000:])
     assert len(r.stderr.strip().splitlines()) == 1 and "[vllm] extra" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_async_bench_trains_on_its_hugging_face_checkpoint():
+    """hf_tiny (built-in rows; `--backend builtin,vllm` adds vLLM's in .venv-vllm): the script
+    writes the tiny-shaped checkpoint, a real training run loads it and the table has its row."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "bench/async.py", "--scenarios", "hf_tiny", "--lookaheads", "1",
+                        "--steps", "9", "--warmup", "4", "--repeats", "1"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "model.hf_path=" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| in_order | L=1"))
+    assert float(row.split("|")[3]) > 0  # steps/s
 
 
 def test_disjoint_hardware_simulation_runs_the_real_pump():
