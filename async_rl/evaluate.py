@@ -83,8 +83,8 @@ class Evaluator:
             self.backend = rollout.view(slots, **sampling)
         elif e.backend == "vllm":
             from .vllm_rollout import from_config
-            self.backend = from_config(C.replace(cfg, engine={"max_concurrent_decodes": slots}), self._stops,
-                                       tok.vocab_size, None, 0, greedy=greedy)
+            self.backend = from_config(C.replace(cfg, engine={"max_concurrent_decodes": slots, **sampling}),
+                                       self._stops, tok.vocab_size, None, 0)
         else:
             self.backend = Engine(cfg.model, graphdef, vocab_size=vocab_size, slots=slots,
                                   max_prompt_len=e.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import time
 from typing import Sequence
 
 import jax
@@ -107,15 +106,15 @@ def split_gpu_memory(vllm_fraction: float, margin: float = 0.05) -> None:
 
 
 def from_config(cfg, stop_ids: Sequence[int], n_tokens: int, params, version: int, *,
-                spare_slots: int = 0, greedy: bool = False) -> "VLLMRollout":
+                spare_slots: int = 0) -> "VLLMRollout":
     """The backend for a run's config (`engine.*`, `rollout.max_new_tokens`, `model.hf_path`);
     `n_tokens`: the tokenizer's vocabulary size (ids at or above it are never sampled);
     `spare_slots`: room in the engine for a `view` beside these slots (evaluation)."""
     e = cfg.engine
     return VLLMRollout(hf_path=cfg.model.hf_path, slots=e.max_concurrent_decodes, steps_per_call=e.steps_per_call,
                        max_prompt_len=e.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
-                       temperature=0.0 if greedy else e.temperature, top_k=0 if greedy else e.top_k,
-                       top_p=1.0 if greedy else e.top_p, seed=cfg.run.seed, stop_ids=stop_ids, dtype=cfg.model.dtype,
+                       temperature=e.temperature, top_k=e.top_k, top_p=e.top_p, seed=cfg.run.seed,
+                       stop_ids=stop_ids, dtype=cfg.model.dtype,
                        tie_embeddings=cfg.model.tie_embeddings, gpu_memory_utilization=e.gpu_memory_utilization,
                        cpu_kv_cache_gib=e.vllm_cpu_kv_cache_gib, n_tokens=n_tokens,
                        enforce_eager=e.vllm_enforce_eager, params=params, version=version, spare_slots=spare_slots)
@@ -132,7 +131,6 @@ class _Shared:
         self.owner: dict[str, tuple[VLLMRollout, int]] = {}
         self.n = 0  # requests made (unique ids)
         self.version = 0
-        self.publish_s = 0.0  # seconds the last weight load took
 
     @property
     def runner(self):
@@ -187,19 +185,13 @@ class VLLMRollout:
     def version(self) -> int:
         return self.s.version
 
-    @property
-    def publish_s(self) -> float:
-        return self.s.publish_s
-
     def swap(self, params, version: int) -> None:
         """Loads `params` in place between engine steps: every view runs them from its next step."""
         with self.s.lock:
-            t0 = time.perf_counter()
             self.s.runner.reload_weights(weights_iterator=torch_weights(params, self.s.tie, self.device),
                                          is_checkpoint_format=True)
             self.s.llm.reset_prefix_cache()
             self.s.version = version
-            self.s.publish_s = time.perf_counter() - t0
 
     def start(self, starts: Sequence[Start]) -> None:
         from vllm import SamplingParams
