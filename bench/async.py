@@ -77,6 +77,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import backends  # noqa: E402
 import common  # noqa: E402
 
 SCENARIOS = {
@@ -493,16 +494,7 @@ def main():
     args = parse_args()
     t_all = time.perf_counter()
     load0 = os.getloadavg()
-    args.backends = [b for b in args.backend.split(",") if b]
-    if bad := sorted(set(args.backends) - {"builtin", "vllm"}):
-        print(f"--backend: unknown {bad} (known: builtin, vllm)", file=sys.stderr)
-        sys.exit(2)
-    if "vllm" in args.backends:
-        from async_rl import vllm_rollout
-        if (why := vllm_rollout.available()) is not None:
-            print(f"--backend vllm: {' '.join(why.split())} (`make venv-vllm` builds .venv-vllm with it)",
-                  file=sys.stderr)
-            sys.exit(2)
+    args.backends = backends.parse(args.backend)  # one line and exit 2 when unknown or not installed
     default = ["hf_tiny"] if "vllm" in args.backends else [s for s in SCENARIOS if s != "hf_tiny"] + ["disjoint_sim"]
     scen_names = [s for s in args.scenarios.split(",") if s] or default
     samplers = [s for s in args.samplers.split(",") if s]
