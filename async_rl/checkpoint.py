@@ -4,7 +4,7 @@ Owns: the CheckpointManager (async writes, keep-N, temporary directory + commit)
 ledger's on-disk form (a small Orbax handler writing its ragged arrays into one file and a
 JSON header per process), the iterator-state item (a frozen copy taken at the cut, written
 by Grain's own handler), the digests that make every item verifiable (per state leaf in
-`meta`, a checksum per ledger array, sha256 of the iterator state and of each JSON document), and
+`meta`, a blake2b digest per ledger array, sha256 of the iterator state and of each JSON document), and
 choosing the step to resume from: a step whose files are unreadable or fail their digest is
 *damaged* and skipped (the caller sets it aside); a step that does not fit this config (its
 state's structure, its data stream, a changed process count in deterministic mode) is
@@ -98,10 +98,15 @@ class _OrbaxFailureLogs(logging.Filter):
 logging.getLogger("absl").addFilter(_OrbaxFailureLogs())
 
 
-def _sum64(b: np.ndarray) -> int:
-    """The wrapping sum of a byte buffer's 64-bit words (zero-padded): any flipped bit or
-    changed word changes it, at memory speed (about 5x crc32), so checking a ledger file costs
-    next to nothing beside writing it."""
+def array_digest(arr: np.ndarray) -> str:
+    """blake2b-128 of an array's bytes: a flipped bit, a changed word and two swapped words all
+    change it."""
+    return hashlib.blake2b(np.ascontiguousarray(arr).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
+
+
+def _legacy_sum64(b: np.ndarray) -> int:
+    """The checksum ledger headers carried before `array_digest` (the wrapping sum of the
+    64-bit words, which does not see swapped words): still checked where a step has it."""
     n = len(b) // 8 * 8
     total = int(b[:n].view(np.uint64).sum(dtype=np.uint64)) if n else 0
     if len(b) > n:
@@ -229,7 +234,7 @@ def structure_diff(saved: dict, target: dict, limit: int = 6) -> list[str]:
 
 class LedgerHandler(ocp.AsyncCheckpointHandler):
     """Writes each process's ledger shard as `<prefix>.bin` (every ragged array back to back)
-    and `<prefix>.json` (the header, where each array lies in the .bin with a checksum of its
+    and `<prefix>.json` (the header, where each array lies in the .bin with a blake2b digest of its
     bytes, the sha256 of the process's iterator state, and a digest of the header itself).
 
     One file of raw bytes costs what one np.save of them costs. Asynchronous: the arrays are
@@ -247,7 +252,7 @@ class LedgerHandler(ocp.AsyncCheckpointHandler):
             for i, (name, arr) in enumerate(snap.arrays.items()):
                 arr = np.ascontiguousarray(arr)
                 index[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
-                               "sum64": _sum64(arr.reshape(-1).view(np.uint8))}
+                               "blake2b": array_digest(arr)}
                 f.write(arr.tobytes()) if remote else arr.tofile(f)
                 offset += arr.nbytes
                 if i == 1:
@@ -313,7 +318,8 @@ def read_ledger(directory: Path, prefix: str) -> LedgerSnapshot:
         for name, a in index.items():
             dt, shape = np.dtype(a["dtype"]), tuple(a["shape"])
             arrays[name] = np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=a["offset"]).reshape(shape)
-            if "sum64" in a and _sum64(arrays[name].reshape(-1).view(np.uint8)) != a["sum64"]:
+            if ("blake2b" in a and array_digest(arrays[name]) != a["blake2b"]) or \
+                    ("sum64" in a and _legacy_sum64(arrays[name].reshape(-1).view(np.uint8)) != a["sum64"]):
                 raise Damaged("ledger", bpath, f"checksum mismatch in array {name!r} (the file was changed "
                                                "after it was written)")
         snap = LedgerSnapshot(header=header, arrays=arrays)

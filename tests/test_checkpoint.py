@@ -2,6 +2,7 @@
 deleted item makes the step damaged (named), and the previous step is chosen; a config
 that does not fit a healthy step is refused, not called damaged (docs/design.md, "Run
 directory safety")."""
+import json
 import shutil
 from pathlib import Path
 
@@ -128,3 +129,26 @@ def test_ledger_validation_catches_inconsistent_arrays():
     for name, arr in broken.items():
         with pytest.raises(ValueError):
             type(snap)(header=snap.header, arrays=dict(snap.arrays, **{name: arr})).validate()
+
+
+def test_two_swapped_words_in_the_ledger_are_refused(tmp_path):
+    """The ledger arrays' digest sees a reordering that keeps every byte (a sum of words would not)."""
+    from async_rl.checkpoint import Damaged, LedgerHandler, LedgerSave, _process_prefix, read_ledger
+    from async_rl.ledger import Ledger
+    led = Ledger(2)
+    for i in range(3):
+        g = led.add({"prompt_id": i, "epoch": 0, "prompt": "1=", "answer": "1",
+                     "prompt_tokens": np.arange(1, 9, dtype=np.int32)}, target_step=1)
+        g.samples[0].tokens, g.samples[0].logprobs, g.samples[0].versions = [3, 4], [-0.1, -0.2], [0, 0]
+    LedgerHandler().save(tmp_path, LedgerSave(cut=led.snapshot(), step=1))
+    pre = _process_prefix()
+    assert read_ledger(tmp_path, pre).header["next_ordinal"] == 3
+    header = json.loads((tmp_path / f"{pre}.json").read_text())
+    binf = tmp_path / f"{pre}.bin"
+    raw = bytearray(binf.read_bytes())
+    tokens = header["arrays"]["prompt_tokens"]
+    lo = tokens["offset"]  # tokens 1..8 of the first prompt: words (1, 2) and (3, 4) differ
+    raw[lo:lo + 8], raw[lo + 8:lo + 16] = raw[lo + 8:lo + 16], raw[lo:lo + 8]
+    binf.write_bytes(bytes(raw))
+    with pytest.raises(Damaged, match="prompt_tokens"):
+        read_ledger(tmp_path, pre)
