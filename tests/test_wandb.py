@@ -1,5 +1,5 @@
-"""Weights & Biases (offline): a job killed with SIGKILL and resumed is one W&B run with one
-history row per step. Skipped where the wandb extra is not installed."""
+"""Weights & Biases (offline): a job killed with SIGKILL and resumed is one W&B run whose history
+holds every step's row as metrics.jsonl has it. Skipped where the wandb extra is not installed."""
 
 import json
 import re
@@ -13,9 +13,10 @@ import pytest
 wandb = pytest.importorskip("wandb")
 
 from helpers import kill9, read_stderr, run_cli, spawn_job  # noqa: E402
+from wandb_records import history_rows  # noqa: E402
 
 from async_rl.lineage import read_jsonl  # noqa: E402
-from async_rl.wandb_log import WandbLog, history_rows  # noqa: E402
+from async_rl.wandb_log import WandbLog  # noqa: E402
 
 OV = ["data.num_records=24", "rollout.prompts_per_step=2", "checkpoint.every_steps=6", "checkpoint.async=false",
       "log.wandb=true", "log.wandb_project=async_rl_test", "log.wandb_tags=ci,offline", "eval.every_steps=0"]
@@ -45,16 +46,16 @@ def test_a_killed_and_resumed_job_is_one_wandb_run_with_one_row_per_step(tmp_pat
     files = [f for d in runs for f in d.glob("run-*.wandb")]
     assert [f.stem for f in files] == [f"run-{run_id}"] * 2  # ... of one run
     first, second = ([row["_step"] for row in history_rows(f)] for f in files)
-    # session 1's log holds a prefix of its steps (wandb keeps the newest block in memory: a
-    # SIGKILL loses it); session 2 logs from the step after it, catching up from metrics.jsonl
+    # session 1's log holds a prefix of its steps (wandb keeps its newest block in memory: a
+    # SIGKILL loses it); offline there is no W&B state to ask, so session 2 sends every row of
+    # metrics.jsonl (cut at its checkpoint) again, then its own steps: the whole history
     assert first == list(range(1, len(first) + 1)) and len(first) <= killed_at
     final = json.loads((tmp_path / "final.json").read_text())
-    assert first + second == list(range(1, final["step"] + 1))  # every step once
-    assert [row["step"] for row in read_jsonl(metrics)] == first + second  # as metrics.jsonl has them
+    assert second == list(range(1, final["step"] + 1))
+    assert [row["step"] for row in read_jsonl(metrics)] == second  # as metrics.jsonl has them
     resumed = int(re.search(r"resumed step (\d+)", r.stderr).group(1))
     assert resumed >= 6
-    if len(first) < resumed:  # the rows up to the checkpoint came from metrics.jsonl
-        assert f"wandb: sent steps {len(first) + 1}..{resumed} from metrics.jsonl" in r.stderr
+    assert f"wandb: sent steps 1..{resumed} from metrics.jsonl" in r.stderr
     rows = [row for f in files for row in history_rows(f)]
     assert all("rollout/reward_mean" in row and "learner/clip_frac_high" in row for row in rows)
     # the resolved config is the run's config
@@ -75,62 +76,32 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_rows_a_sigkill_took_from_wandb_are_sent_again_from_metrics_jsonl(tmp_path, monkeypatch):
-    """The resumed session sends metrics.jsonl's rows (cut at checkpoint 6) after the newest
-    step wandb wrote, then the re-run steps after that: steps 1..12 once each, with their values."""
+def test_after_a_sigkill_offline_every_row_of_metrics_jsonl_is_sent_again(tmp_path, monkeypatch):
+    """Offline, a session after a SIGKILL cannot ask W&B what it kept: it sends metrics.jsonl's rows
+    (cut at checkpoint 6), then the steps run again; a session after a clean stop sends none twice."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     r = subprocess.run([sys.executable, "-c", _KILLED_SESSION, str(tmp_path)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    [killed] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    first = [row["_step"] for row in history_rows(killed)]
-    assert first == list(range(1, len(first) + 1)) and len(first) < 10  # a prefix; wandb kept the rest in memory
     lines = []
     w = WandbLog(tmp_path, {"a": 1}, project="async_rl_test", log=lines.append)
-    assert w.logged == (first[-1] if first else -1)
+    assert w.logged == -1
     w.catch_up([{"step": s, "time": 0.0, "x": float(s)} for s in range(1, 7)])
     for s in range(5, 13):  # the steps after the checkpoint, run again
         w.log(s, {"x": float(s)})
     w.close()
-    files = sorted(f for f in tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(files) == 2 and len({f.name for f in files}) == 1
-    rows = [row for f in files for row in history_rows(f)]
+    assert "wandb: sent steps 1..6 from metrics.jsonl" in lines
+    files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and len({f.name for f in files}) == 1  # two sessions of one run
+    rows = history_rows(files[1])
     assert [row["_step"] for row in rows] == list(range(1, 13))
     assert all(row["x"] == row["_step"] for row in rows)
-    if len(first) < 6:
-        assert f"wandb: sent steps {len(first) + 1}..6 from metrics.jsonl (written before the last stop, " \
-               "missing from W&B)" in lines
-
-
-def test_a_transaction_log_cut_anywhere_reads_as_a_prefix_of_its_rows(tmp_path, monkeypatch):
-    """What a SIGKILL leaves of wandb's transaction log (any byte length, or a bad checksum)
-    reads as its first rows, never a later one: a resumed session then logs from the next."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run = WandbLog(tmp_path, {"a": 1}, project="async_rl_test", log=lambda m: None)
-    n = 60
-    for s in range(1, n + 1):  # ~1.5 KiB rows: records cross the 32 KiB blocks
-        run.log(s, {f"learner/m{k:03d}": s + k / 1000 for k in range(64)})
-    run.close()  # returns once the log is written through its end
-    [f] = tmp_path.glob(f"wandb/offline-run-*/run-{run.run.id}.wandb")
-    data = f.read_bytes()
-    assert len(data) > 2 * 32768
-    assert [r["_step"] for r in history_rows(f)] == list(range(1, n + 1))
-    assert all(r["learner/m005"] == r["_step"] + 0.005 for r in history_rows(f))
-    cut = tmp_path / "cut.wandb"
-    seen = 0
-    for size in range(7, len(data), 1531):
-        cut.write_bytes(data[:size])
-        steps = [r["_step"] for r in history_rows(cut)]
-        assert steps == list(range(1, len(steps) + 1)) and len(steps) >= seen, size
-        seen = len(steps)
-    assert 0 < seen < n
-    bad = bytearray(data)
-    bad[len(data) // 2] ^= 0xFF  # a flipped byte: the chunk fails its checksum, reading stops there
-    cut.write_bytes(bytes(bad))
-    steps = [r["_step"] for r in history_rows(cut)]
-    assert steps == list(range(1, len(steps) + 1)) and 0 < len(steps) < n
-    cut.write_bytes(b"not a log")
-    with pytest.raises(ValueError, match="not a wandb transaction log"):
-        history_rows(cut)
+    assert json.loads((tmp_path / "wandb.json").read_text())["logged"] == 12
+    w = WandbLog(tmp_path, {"a": 1}, project="async_rl_test", log=lines.append)
+    assert w.logged == 12
+    w.catch_up([{"step": s, "time": 0.0, "x": float(s)} for s in range(1, 13)])
+    w.log(13, {"x": 13.0})
+    w.close()
+    files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert [row["_step"] for row in history_rows(files[-1])] == [13]
