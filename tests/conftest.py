@@ -48,3 +48,31 @@ def bucket(request) -> str:
     from objstore import new_bucket
     request.getfixturevalue("gcs_endpoint" if request.param == "gs" else "s3_endpoint")
     return new_bucket(request.param)
+
+
+_skipped: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped[report.nodeid] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With ASYNC_RL_SKIP_ALLOWLIST (tests/skips.txt; CI sets it), a skipped test the list does not
+    name fails the run: a test that silently stops running is a test lost."""
+    import fnmatch
+    allow_file = os.environ.get("ASYNC_RL_SKIP_ALLOWLIST")
+    if not allow_file or hasattr(session.config, "workerinput"):  # xdist workers report to the controller
+        return
+    patterns = [line.split()[0] for line in Path(allow_file).read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    unexpected = {t: why for t, why in _skipped.items() if not any(fnmatch.fnmatchcase(t, p) for p in patterns)}
+    if unexpected:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"{len(unexpected)} skipped tests are not in {allow_file}:"]
+        lines += [f"  {t}: {why}" for t, why in sorted(unexpected.items())]
+        if tr is not None:
+            tr.ensure_newline()
+        (tr.write_line if tr else print)("\n".join(lines))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
