@@ -14,7 +14,9 @@ its deadline, or inside one of a `stoppable` scope once its stop predicate holds
 (`PyThreadState_SetAsyncExc`: delivered at the rendering thread's next bytecode, and
 every template runs as Python bytecode). Size: the rendered pieces are counted as they are
 generated; `*` and `**`, and any call or filter given an integer argument above the bound
-(`'x'.ljust(n)`, `center(n)`), are refused before they run.
+(`'x'.ljust(n)`, `center(n)`), are refused before they run. Not bounded: one C call on
+inputs each within the bound (`replace` of every character of a long string by another long
+one) still allocates what it makes before its result is counted.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .config import ConfigError
 from .signals import Stopped
 
 RENDER_TIMEOUT_S = 5.0  # one compile or one prompt's render; a chat template takes well under a millisecond
-RENDER_MAX_CHARS = 1 << 20  # characters of one rendered prompt (more than any engine.max_prompt_len holds)
+RENDER_MAX_CHARS = 1 << 20  # characters of one rendered prompt (far more than a prompt's tokens need)
 _POLL_S = 0.02  # how often the watchdog looks at the renders in progress, seconds
 
 
