@@ -44,6 +44,7 @@ from .ckpt_layout import (
     committed_steps,
     is_step_name,
     iterator_file,
+    last_committed,
     meta_file,
     process_prefix,
     step_dir,
@@ -428,10 +429,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         digests, finite = state_digests(state)
         if not finite:
-            last = self.steps()[-1] if self.steps() else "none"
             raise NonFiniteError(f"step {step}: the parameters or optimizer state hold NaN or inf: training "
-                                 f"diverged; not saved (the last committed checkpoint is step {last}). Lower "
-                                 "learner.lr or change the data, then run the same command to resume from it")
+                                 f"diverged; not saved ({last_committed(self.directory)}). Lower learner.lr or "
+                                 "change the data, then run the same command to resume")
         meta = dict(meta, digests={"state": digests})
         meta["meta_sha256"] = json_digest(meta)
         it_sha = sha256(IteratorState(iterator_state).get_state())
@@ -452,10 +452,10 @@ class Checkpointer:
         while isinstance(e, Exception) and e.__cause__ is not None and not isinstance(e, OSError):
             e = e.__cause__
         steps = self.steps()
+        kept = f"the last committed step ({steps[-1]}) is intact" if steps else "no step was committed before it"
         return CheckpointWriteError(
             f"checkpoint {'step ' + str(step) if step is not None else 'save'} in {self.directory} did not "
-            f"commit ({type(e).__name__}: {e}); the last committed step "
-            f"({steps[-1] if steps else 'none'}) is intact: fix the cause and run the same command to resume")
+            f"commit ({type(e).__name__}: {e}); {kept}: fix the cause and run the same command to resume")
 
     def check_for_errors(self) -> None:
         """Raises CheckpointWriteError if a background save failed (those that fail in Orbax's

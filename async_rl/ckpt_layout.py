@@ -115,3 +115,9 @@ def process_prefix(index: int, count: int) -> str:
 def iterator_file(step_path: Path, index: int, count: int) -> Path:
     """One process's iterator state, as Grain's checkpoint handler names it."""
     return storage.run_path(step_path) / "data" / f"{process_prefix(index, count)}.json"
+
+
+def last_committed(ckpt_dir: str | Path) -> str:
+    """For messages: "the last committed checkpoint is step N", or that none was committed."""
+    steps = committed_steps(ckpt_dir)
+    return f"the last committed checkpoint is step {steps[-1]}" if steps else "no checkpoint was committed"

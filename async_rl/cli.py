@@ -181,8 +181,8 @@ def _main(argv: list[str] | None) -> int:
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
     except MemoryError:
-        return _err(f"out of host memory (the run was stopped; {cfg.run.dir} keeps its last checkpoint); "
-                    "use a smaller model or fewer engine.max_concurrent_decodes", 1)
+        return _err(f"out of host memory (the run was stopped; {_kept(cfg)}); use a smaller model or fewer "
+                    "engine.max_concurrent_decodes", 1)
     except OSError as e:  # a write no writer named (a library's): still one line where it is the disk's fault
         err = storage_error(e.filename or cfg.run.dir, e)
         if not isinstance(err, StorageError):
@@ -191,9 +191,18 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return _err(f"out of device memory ({str(e).splitlines()[0][:300]}); the run was stopped, "
-                    f"{cfg.run.dir} keeps its last checkpoint", 1)
+        return _err(f"out of device memory ({str(e).splitlines()[0][:300]}); the run was stopped, {_kept(cfg)}", 1)
     return res.exit_code
+
+
+def _kept(cfg) -> str:
+    """What a run stopped by a failure keeps: its last committed checkpoint, named."""
+    from .ckpt_layout import last_committed
+    from .storage import run_path
+    try:
+        return f"{cfg.run.dir}: {last_committed(run_path(cfg.run.dir) / 'checkpoints')}"
+    except OSError:
+        return f"{cfg.run.dir} keeps its last committed checkpoint"
 
 
 def _plan(args) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -427,6 +428,9 @@ class Config:
             _check(lc.overlong_buffer <= self.rollout.max_new_tokens, "learner.overlong_buffer", lc.overlong_buffer,
                    f"must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         width = self.engine.max_prompt_len + self.rollout.max_new_tokens
+        # each of a call's steps is unrolled in its compiled program; a slot never has more columns
+        _check(self.engine.steps_per_call <= width, "engine.steps_per_call", self.engine.steps_per_call,
+               f"must be <= engine.max_prompt_len + rollout.max_new_tokens ({width}), the columns of a slot")
         if self.model.learned_positions:
             _check(self.model.learned_positions >= width, "model.learned_positions", self.model.learned_positions,
                    f"must cover engine.max_prompt_len + rollout.max_new_tokens ({width})")
@@ -462,6 +466,9 @@ def _group_types() -> dict[str, type]:
     return {g: hints[g] for g in GROUPS}
 
 
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _parse_scalar(key: str, raw: Any, tp: Any) -> Any:
     """Parses `raw` (an override string or a YAML value) into the declared type `tp`."""
     optional = False
@@ -483,15 +490,23 @@ def _parse_scalar(key: str, raw: Any, tp: Any) -> Any:
         if tp is int:
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError
-            return int(str(raw).strip()) if isinstance(raw, str) else int(raw)
+            v = int(str(raw).strip()) if isinstance(raw, str) else int(raw)
+            _check(_INT_MIN <= v <= _INT_MAX, key, raw, f"outside the 64-bit integers ({_INT_MIN} to {_INT_MAX}) "
+                   "that numpy and JAX hold")
+            return v
         if tp is float:
             if isinstance(raw, bool):
                 raise ValueError
-            return float(raw)
+            v = float(raw)
+            # inf or nan in a rate, a bound or a timeout would only fail later, mid-run
+            _check(math.isfinite(v), key, raw, "must be a finite number")
+            return v
         if tp is str:
             if isinstance(raw, (dict, list)):
                 raise ValueError
             return "" if raw is None else str(raw)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         pass
     else:
@@ -549,9 +564,15 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
         if not p.is_file():
             raise ConfigError(f"--config={path!r}: no such file")
         try:
-            doc = yaml.safe_load(p.read_text()) or {}
+            doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--config={path!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"--config={path!r}: cannot be read ({e.strerror or e})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"--config={path!r}: not valid YAML ({e})") from None
+            raise ConfigError(f"--config={path!r}: not valid YAML ({' '.join(str(e).split())})") from None
+        except RecursionError:
+            raise ConfigError(f"--config={path!r}: nested too deeply to be a config") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"--config={path!r}: top level must be a mapping of config groups")
         for group, fields_ in doc.items():

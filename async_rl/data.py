@@ -278,6 +278,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 yield lineno, BadRecord(lineno, f"not valid JSON ({e.msg} at column {e.colno})")
+            except ValueError as e:  # an integer of more digits than Python converts
+                yield lineno, BadRecord(lineno, f"not readable JSON ({' '.join(str(e).split())[:200]})")
+            except RecursionError:
+                yield lineno, BadRecord(lineno, "JSON nested too deeply to be read")
 
 
 def _parquet_rows(path: Path, wanted: list[str]) -> Iterator[tuple[int, Any]]:
@@ -311,6 +315,9 @@ def _validate(rec: Any, where: int, d, tokenizer, max_len: int) -> dict | BadRec
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         return BadRecord(where, f"field {d.answer_field!r} is {type(answer).__name__}, "
                                 "expected a string or a number")
+    for name, text in ((d.prompt_field, prompt), (d.answer_field, answer)):
+        if isinstance(text, str) and (bad := _not_unicode(text)):
+            return BadRecord(where, f"field {name!r} {bad}")
     out = {"prompt": prompt, "answer": answer if isinstance(answer, str) else str(answer)}
     if d.id_field:
         pid = rec[d.id_field]
@@ -322,6 +329,15 @@ def _validate(rec: Any, where: int, d, tokenizer, max_len: int) -> dict | BadRec
         return BadRecord(where, f"prompt is {n} tokens, longer than engine.max_prompt_len={max_len}")
     out["_len"] = n
     return out
+
+
+def _not_unicode(text: str) -> str:
+    """Why `text` cannot be encoded (JSON's \\ud800 escapes decode to lone surrogates), or ""."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not text"
+    return ""
 
 
 def load_prompt_file(cfg: Config, tokenizer) -> tuple[list[dict], list[BadRecord], int]:
@@ -497,8 +513,11 @@ class PromptIterator(grain.DatasetIterator):
         if saved is not None and "records_sha256" not in saved:  # saved before content digests
             now = {k: v for k, v in now.items() if k != "records_sha256"}
         if saved is not None and saved != now:
+            # the content digests cover each record's id too: ids that moved are a changed record
+            same_shape = {**saved, "records_sha256": None, "ids_sha256": None} == \
+                {**now, "records_sha256": None, "ids_sha256": None}
             if (saved.get("records_sha256") != now.get("records_sha256") and state.get("records")
-                    and self._pd is not None and {**saved, "records_sha256": None} == {**now, "records_sha256": None}):
+                    and self._pd is not None and same_shape):
                 raise DataError(f"{self._pd.source}: the prompt file changed since the checkpoint was written: "
                                 f"{self._pd.first_changed(state['records'])}; resuming would train other prompts "
                                 "than the saved ledger and iterator mean. Restore the file or use a new run.dir "

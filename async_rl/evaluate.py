@@ -68,9 +68,11 @@ class Evaluator:
     (`engine.backend=vllm` without one: `async-rl eval`), or on a built-in engine of its own
     (same devices as generation)."""
 
-    def __init__(self, cfg: C.Config, graphdef, vocab_size: int, tok, reward_fn, devices=None, rollout=None):
+    def __init__(self, cfg: C.Config, graphdef, vocab_size: int, tok, reward_fn, devices=None, rollout=None,
+                 eval_set: EvalSet | None = None):
+        """`eval_set`: the held-out prompts, when already built (train builds them before it writes)."""
         self.cfg, self.tok, self.reward_fn = cfg, tok, reward_fn
-        self.set = build_eval_set(cfg, tok)
+        self.set = eval_set if eval_set is not None else build_eval_set(cfg, tok)
         self.k = cfg.eval.samples_per_prompt
         greedy = self.k == 1
         slots = min(cfg.engine.max_concurrent_decodes, max(1, len(self.set.prompts) * self.k))
@@ -130,11 +132,12 @@ class Evaluator:
         return float(self.reward_fn(completion_text(self.tok, tokens.tolist()), answer))
 
 
-def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, rollout=None) -> Evaluator | None:
+def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, rollout=None,
+                   eval_set: EvalSet | None = None) -> Evaluator | None:
     if not cfg.eval.every_steps:
         return None
     _, reward_fn = rewards.reward_for_config(cfg)
-    return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices, rollout=rollout)
+    return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices, rollout=rollout, eval_set=eval_set)
 
 
 def eval_slots(cfg: C.Config) -> int:

@@ -116,8 +116,11 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
                       d_ff=int(hc["intermediate_size"]), norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
                       tie_embeddings=bool(hc.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
                       learned_positions=0, **_rope_fields(hc, where))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise HFError(f"{where}: missing or invalid field ({type(e).__name__}: {e})") from None
+    for k, v in fields.items():  # JSON's NaN and Infinity parse; a model built on them is NaN throughout
+        if isinstance(v, float) and not math.isfinite(v):
+            raise HFError(f"{where}: model.{k}={v} is not a finite number")
     return dataclasses.replace(base, **fields)
 
 
@@ -225,7 +228,10 @@ class _Checkpoint:
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
-                raise HFError(f"{self.path}: no *.safetensors files (and no {INDEX})")
+                torch = sorted(p.name for p in self.path.glob("*.bin"))
+                raise HFError(f"{self.path}: no *.safetensors files (and no {INDEX})" + (
+                    f"; {', '.join(torch[:3])} are PyTorch pickles, which are not read: save the model with "
+                    "safe_serialization=True" if torch else ""))
             wmap = None
         self.tensors: dict[str, _Tensor] = {}
         for fname in files:
@@ -316,6 +322,31 @@ def _read_array(ckpt: _Checkpoint, t: _Tensor, shape: tuple, dtype: np.dtype, sh
     return arr
 
 
+def _plan(ckpt: _Checkpoint, named: list[tuple[str, Any]]) -> list[list[tuple[_Tensor, int | None, bool]]]:
+    """For each parameter of `named`, the tensors it is read from: (tensor, layer index into
+    our leading axis or None, transposed). Refuses, from the files' headers alone, a checkpoint
+    that lacks a tensor, holds one of another shape or an unsupported dtype, or holds tensors
+    no parameter takes."""
+    used, plan = set(), []
+    for ours, var in named:
+        shape, reads = tuple(var.shape), []
+        for name, label, layer, transposed in hf_tensors(ours, shape):
+            one = shape if layer is None else shape[1:]
+            reads.append((ckpt.get(name, label, one[::-1] if transposed else one), layer, transposed))
+            used.add(name)
+        plan.append(reads)
+    extra = sorted(n for n in ckpt.tensors if n not in used and not _IGNORABLE.fullmatch(n))
+    if extra:
+        raise HFError(f"{ckpt.path}: {len(extra)} tensors match no parameter of this model "
+                      f"(e.g. {', '.join(extra[:3])}); its config.json may not describe these weights")
+    return plan
+
+
+def check_params(path: str | Path, abstract_params) -> None:
+    """Raises HFError where `load_params` would, reading only the files' headers."""
+    _plan(_Checkpoint(path), _flat(abstract_params)[0])
+
+
 def load_params(path: str | Path, abstract_params, shardings) -> nnx.State:
     """Params with the structure of `abstract_params` (an nnx.State of abstract Params), each
     placed in its sharding (a matching State of NamedShardings, or one Sharding for all).
@@ -324,22 +355,19 @@ def load_params(path: str | Path, abstract_params, shardings) -> nnx.State:
     host holds one layer's device slice at a time, as for any other tensor."""
     ckpt = _Checkpoint(path)
     named, treedef = _flat(abstract_params)
+    plan = _plan(ckpt, named)
     sh = [shardings] * len(named) if isinstance(shardings, jax.sharding.Sharding) else \
         [v.get_value() if _is_var(v) else v for _, v in _flat(shardings)[0]]
-    used, out = set(), []
+    out = []
     try:
-        for (ours, var), sharding in zip(named, sh):
+        for (ours, var), sharding, reads in zip(named, sh, plan):
             shape, dtype = tuple(var.shape), np.dtype(var.dtype)
-            parts = hf_tensors(ours, shape)
             arr = None
-            for name, label, layer, transposed in parts:
-                one = shape if layer is None else shape[1:]
-                t = ckpt.get(name, label, one[::-1] if transposed else one)
-                used.add(name)
+            for t, layer, transposed in reads:
                 if layer is None:
                     arr = _read_array(ckpt, t, shape, dtype, sharding, transposed)
                     continue
-                piece = _read_array(ckpt, t, (1,) + one, dtype, sharding, transposed, lead=True)
+                piece = _read_array(ckpt, t, (1,) + shape[1:], dtype, sharding, transposed, lead=True)
                 if arr is None:
                     arr = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
                 arr = _layer_writer(sharding)(arr, piece, layer)
@@ -347,10 +375,6 @@ def load_params(path: str | Path, abstract_params, shardings) -> nnx.State:
             out.append(var.replace(arr) if _is_var(var) else arr)
     finally:
         ckpt.close()
-    extra = sorted(n for n in ckpt.tensors if n not in used and not _IGNORABLE.fullmatch(n))
-    if extra:
-        raise HFError(f"{ckpt.path}: {len(extra)} tensors match no parameter of this model "
-                      f"(e.g. {', '.join(extra[:3])}); its config.json may not describe these weights")
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -128,6 +128,13 @@ class Learner:
             return hf.load_params(self.cfg.model.hf_path, self.abstract_params, self.param_sh)
         return self._init_params()
 
+    def check_init_params(self) -> None:
+        """Raises where `init_params` would refuse the pretrained weights, reading only the
+        files' headers (nothing is loaded)."""
+        if self.cfg.model.hf_path:
+            from . import hf
+            hf.check_params(self.cfg.model.hf_path, self.abstract_params)
+
     def init_state(self, params: nnx.State) -> dict:
         return {"params": params, "opt": self._init_opt(params)}
 

@@ -21,6 +21,11 @@ import threading
 _active: "Signals | None" = None
 
 
+class Stopped(Exception):
+    """A signal stopped start-up inside work that would not reach a safe point soon (a chat
+    template's render); raised before anything in run.dir was changed."""
+
+
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -4,7 +4,7 @@ Owns: the built-in byte tokenizer, a wrapper around a Hugging Face `tokenizer.js
 (via the `tokenizers` library) with its special ids read from the files that sit
 beside it, the prompt template and chat wrapping (the model's own jinja chat template from
 `tokenizer_config.json` when it has one, else built-in ChatML / Llama-3 wrapping), and BOS
-handling. Does not own:
+handling. Does not own: rendering a jinja template within bounds (`chat_template`),
 which prompts exist (`data`), padding prompts into batches (`engine`), or stopping
 generation (the engine reads `eos_id` / `stop_ids` from here).
 """
@@ -233,32 +233,21 @@ class HFTokenizer:
                 "set tokenizer.chat=false and write the format into tokenizer.template")
 
     def _load_chat_template(self, tc: dict):
-        """The compiled jinja chat template of tokenizer_config.json, or None (built-in wrapping)."""
+        """The model's jinja chat template from tokenizer_config.json, or None (built-in wrapping)."""
         src = tc.get("chat_template")
         if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
             src = next((t.get("template") for t in src if isinstance(t, dict) and t.get("name") == "default"), None)
         if not isinstance(src, str) or not src.strip():
             return None
         try:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            import jinja2  # noqa: F401
         except ImportError:
             log.warning("%s: has a chat template but jinja2 is not installed; using built-in "
                         "wrapping", self.path / "tokenizer_config.json")
             return None
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-        # the options transformers renders chat templates with, so prompts match apply_chat_template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            template = env.from_string(src)
-        except TemplateError as e:
-            raise ConfigError(f"{self.path / 'tokenizer_config.json'}: chat_template does not compile ({e})") from None
+        from .chat_template import ChatTemplate
         specials = {f"{k}_token": _token_text(tc.get(f"{k}_token")) or "" for k in ("bos", "eos", "pad", "unk")}
-        return lambda text: template.render(messages=[{"role": "user", "content": text}],
-                                            add_generation_prompt=True, **specials)
+        return ChatTemplate(src, self.path / "tokenizer_config.json", specials)
 
     def chat_text(self, prompt: str) -> str:
         """The text a prompt is encoded from: template applied, then the chat format, then

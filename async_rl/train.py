@@ -32,15 +32,16 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from . import chat_template, faults, hf, memory, reshard, rewards, rundir, sharding, storage
 from . import config as C
 from . import data as data_mod
-from . import faults, hf, memory, reshard, rewards, rundir, sharding, storage
 from . import journal as journal_mod
 from . import signals as sig
 from .checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, DamagedStep, NonFiniteError, Restored
+from .ckpt_layout import last_committed
 from .config import Config, ConfigError
 from .engine import Engine
-from .evaluate import eval_slots, make_evaluator
+from .evaluate import build_eval_set, eval_slots, make_evaluator
 from .learner import Learner, Row, build_batch, params_fingerprint
 from .ledger import Ledger
 from .lineage import RunLogs
@@ -79,6 +80,7 @@ class Parts:
     engine: Engine
     ckpt: Checkpointer
     local_pps: int  # this process's groups per step
+    eval_set: Any = None  # held-out prompts (eval.every_steps > 0, process 0), encoded
     generations: list = field(default_factory=list)  # re-partitions onto other process counts (reshard)
 
 
@@ -126,11 +128,20 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
         check_installed()
     lock = rundir.run_lock(run_dir, jax.process_index(), cfg.run.lease_s)
     lock.ensure_free(run_dir)
-    parts = build(cfg, run_dir, log)
-    start = choose_start(parts, log)
-    if sharding.agree([signals.received is not None]).any():  # every process stops together
+    # one process may stop inside a template's render; several stop together at the agreement below
+    stoppable = chat_template.stoppable(lambda: signals.received is not None) if jax.process_count() == 1 \
+        else contextlib.nullcontext()
+    try:
+        with stoppable:
+            parts = build(cfg, run_dir, log)
+        start = choose_start(parts, log)
+        if start.state is None or parts.learner.use_ref:  # `take` or the session reads the pretrained weights
+            parts.learner.check_init_params()
+    except sig.Stopped:
+        start = None
+    if start is None or sharding.agree([signals.received is not None]).any():  # every process stops together
         log(f"{signals.received or 'a signal'} during start-up: stopped before changing anything in {run_dir}")
-        return RunResult(step=start.step, exit_code=0, reason="signal", fingerprint="")
+        return RunResult(step=start.step if start else 0, exit_code=0, reason="signal", fingerprint="")
     lock.acquire(run_dir)
     try:
         take(parts, start, log)
@@ -171,6 +182,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     if (pps * G) % shards:
         raise ConfigError(f"rollout.prompts_per_step={pps}: prompts_per_step x samples_per_prompt "
                           f"({pps * G}) must divide evenly over the {shards} data-parallel shards")
+    memory.check_host(cfg, pc)  # sizes the host could never hold, before anything is read
     tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
     pd = data_mod.build_dataset(cfg, tok, process_index=pi, process_count=pc)
     for line, reason in pd.bad_records[:20]:
@@ -183,6 +195,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
     memory.check(cfg, vocab)  # before anything large is allocated
     learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size)
+    eval_set = build_eval_set(cfg, tok) if cfg.eval.every_steps and pi == 0 else None
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
@@ -190,7 +203,8 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                     tensor=cfg.engine.tensor, windows=not cfg.run.determinism, all_devices=devices.engine_all)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
-                 reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc)
+                 reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,
+                 eval_set=eval_set)
 
 
 # ---- 3. choose where to start (reads only) ----------------------------------------------
@@ -342,7 +356,7 @@ class Session:
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,
                          prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s)
         self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
-                                        devices=list(self.engine.mesh.devices.flat),
+                                        devices=list(self.engine.mesh.devices.flat), eval_set=parts.eval_set,
                                         rollout=rollout if rollout is not self.engine else None
                                         ) if self.primary else None
         if self.evaluator is not None:
@@ -403,9 +417,11 @@ class Session:
         try:
             return sharding.agree_or_fail(values, self.local_error())
         except sharding.PeerFailedError as e:
+            steps = self.ckpt.steps()
             raise sharding.PeerFailedError(
                 f"{e}; every process stopped after step {self.step}, nothing saved after the last committed "
-                f"checkpoint (step {max(self.last_saved, 0)})") from None
+                f"checkpoint (step {steps[-1]})" if steps else
+                f"{e}; every process stopped after step {self.step}, no checkpoint was committed") from None
 
     def eval_at_start(self) -> None:
         """`eval.at_start`: the starting weights' scores as a step-0 metrics row. A resume from a
@@ -549,10 +565,12 @@ class Session:
         row = {k: float(v) for k, v in jax.device_get(dev).items()}
         bad = {k: v for k, v in row.items() if k in ("learner/loss", "learner/grad_norm") and not math.isfinite(v)}
         if bad:
+            # step 1's loss is computed with the starting weights, before any update
+            start = "; the starting weights already give it (model.hf_path may hold NaN or inf)" if s == 1 else ""
             raise NonFiniteError(
-                f"step {s}: {', '.join(f'{k}={v}' for k, v in bad.items())}: training diverged; stopped without "
-                f"saving it (the last committed checkpoint is step {max(self.last_saved, 0)}). Lower learner.lr "
-                "or change the data, then run the same command to resume from that step")
+                f"step {s}: {', '.join(f'{k}={v}' for k, v in bad.items())}: training diverged{start}; stopped "
+                f"without saving it ({last_committed(self.ckpt.directory)}). Lower learner.lr or change the data, "
+                "then run the same command to resume")
         row.update(host)
         self.history.append({"step": s, **row})
         self.sink.write(s, row)

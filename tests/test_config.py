@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -35,6 +36,7 @@ def test_optional_field_accepts_none():
     ("sampler.max_staleness=3", "sampler.max_staleness"),
     ("model.n_kv_heads=3", "model.n_kv_heads"),
     ("mesh.fsdp=0", "mesh.fsdp"),
+    ("engine.steps_per_call=1000000000", "engine.steps_per_call=1000000000: must be <= engine.max_prompt_len"),
 ])
 def test_bad_override_names_the_key(override, needle):
     with pytest.raises(C.ConfigError, match=needle.replace(".", r"\.")):
@@ -107,4 +109,42 @@ def test_missing_required_field_is_a_one_line_exit_2(tmp_path, capsys, yaml_text
     assert main(["train", "--config", str(p), "log.progress=false"]) == 2
     err = capsys.readouterr().err
     assert needle in err and "required" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("learner.lr=inf", "learner.lr='inf': must be a finite number"),
+    ("learner.lr=nan", "learner.lr='nan': must be a finite number"),
+    ("rollout.reward_timeout_s=-inf", "rollout.reward_timeout_s='-inf': must be a finite number"),
+    ("learner.clip_eps=1e400", "learner.clip_eps='1e400': must be a finite number"),
+    ("data.num_records=99999999999999999999999", "data.num_records='99999999999999999999999': outside the 64-bit"),
+    ("run.seed=-9223372036854775809", "run.seed='-9223372036854775809': outside the 64-bit"),
+])
+def test_non_finite_floats_and_integers_past_64_bits_are_refused_at_parse_time(tmp_path, capsys, override, needle):
+    with pytest.raises(C.ConfigError, match=re.escape(needle)):
+        C.load("configs/tiny.yaml", [override])
+    group, rest = override.split(".", 1)
+    key, value = rest.split("=", 1)
+    p = tmp_path / "c.yaml"  # YAML's own spellings (.inf, .nan) and numbers reach the same check
+    p.write_text(f"{group}:\n  {key}: {dict(inf='.inf', nan='.nan').get(value, value)}\n")
+    with pytest.raises(C.ConfigError, match=re.escape(f"{group}.{key}=")):
+        C.load(str(p))
+    assert C.load("configs/tiny.yaml", ["run.seed=-9223372036854775808"]).run.seed == -(1 << 63)
+    assert main(["train", "--config", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"run:\n  seed: 1\n# caf\xe9\n", "not UTF-8 text (invalid continuation byte at byte 20)"),
+    (b"run: " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply to be a config"),
+    (b"run:\n  seed: [1\n", "not valid YAML (while parsing a flow sequence"),
+])
+def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, content, needle):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(content)
+    assert main(["train", "--config", str(p), f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config={str(p)!r}: {needle}") and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()

@@ -208,6 +208,22 @@ def test_state_refuses_another_stream():
         plain.set_state({"next_index": 99})
 
 
+def test_a_prompt_file_with_ids_edited_in_place_names_the_first_changed_line(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": f"a{i}", "uid": 100 + i} for i in range(6)]
+    p = write_jsonl(tmp_path / "p.jsonl", rows)
+    c = file_cfg(p, "data.id_field=uid", "data.shuffle=false")
+    it = make_iterator(build_dataset(c, TOK))
+    next(it)
+    state = it.get_state()
+    write_jsonl(p, [rows[0], rows[2], rows[1], *rows[3:]])  # two lines swapped: same ids, same size
+    with pytest.raises(DataError, match=r"p\.jsonl: the prompt file changed since the checkpoint was written: "
+                                        r"line 2 \(prompt_id 102\) differs from what was trained"):
+        make_iterator(build_dataset(c, TOK)).set_state(state)
+    write_jsonl(p, [*rows, {"prompt": "q6", "answer": "a6", "uid": 106}])  # grown: another stream
+    with pytest.raises(DataError, match="another stream"):
+        make_iterator(build_dataset(c, TOK)).set_state(state)
+
+
 def test_more_epochs_on_resume_continues_the_stream():
     it = make_iterator(build_dataset(cfg_of("data.num_records=5", "data.num_epochs=1"), TOK))
     first = drain(it)
@@ -373,6 +389,32 @@ def test_bad_records_skip_counts_every_one(tmp_path):
     recs = drain(make_iterator(pd))
     # ids are row numbers, so a fixed bad row would not renumber the good ones
     assert [(r["prompt_id"], r["prompt"]) for r in recs] == [(0, "ok0"), (5, "ok5")]
+
+
+# records that once escaped as tracebacks: a lone surrogate (JSON's \\ud800 escape) in a prompt or
+# an answer, a line nested deeper than Python recurses, an integer of more digits than it converts
+UNREADABLE_JSONL = [
+    '{"prompt": "12\\ud800=", "answer": "21"}',
+    '{"prompt": "12=", "answer": "2\\udc001"}',
+    '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "1"}',
+    '{"prompt": "1=", "answer": ' + "1" * 5000 + "}",
+]
+UNREADABLE_WHY = ["field 'prompt' holds a lone surrogate ('\\ud800' at character 2), which is not text",
+                  "field 'answer' holds a lone surrogate ('\\udc00' at character 1), which is not text",
+                  "JSON nested too deeply to be read", "not readable JSON (Exceeds the limit (4300 digits)"]
+
+
+@pytest.mark.parametrize("i", range(len(UNREADABLE_JSONL)))
+def test_unreadable_records_follow_on_bad_record(tmp_path, i):
+    p = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "ok", "answer": "1"}, UNREADABLE_JSONL[i],
+                                           {"prompt": "ok2", "answer": "2"}])
+    with pytest.raises(DataError) as e:
+        build_dataset(file_cfg(p), TOK)
+    assert str(e.value).startswith(f"{p}: line 2: {UNREADABLE_WHY[i]}") and "\n" not in str(e.value)
+    pd = build_dataset(file_cfg(p, "data.on_bad_record=skip", "data.shuffle=false"), TOK)
+    assert len(pd.bad_records) == 1 and pd.bad_records[0].line == 2
+    assert pd.bad_records[0].reason.startswith(UNREADABLE_WHY[i])
+    assert [r["prompt_id"] for r in drain(make_iterator(pd))] == [0, 2]
 
 
 def test_all_records_bad_is_an_error(tmp_path):

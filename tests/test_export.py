@@ -34,8 +34,12 @@ def text_hash_reward(completion: str, answer: str) -> float:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny random Qwen2 checkpoint with a word-level tokenizer beside it."""
-    path = write_checkpoint(tmp_path_factory.mktemp("model"), HC, random_weights(HC))
+    return make_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def make_model_dir(path, weights: dict | None = None):
+    """A tiny random Qwen2 checkpoint (or `weights`) with a word-level tokenizer beside it."""
+    path = write_checkpoint(path, HC, random_weights(HC) if weights is None else weights)
     words = ["[UNK]", "<pad>", "<s>", "</s>", *"0123456789", "+", "="]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -231,12 +231,37 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path):
         load(path)
 
 
+def test_check_params_refuses_from_the_headers_what_load_params_would(tmp_path):
+    """What train checks before it writes anything: the headers alone (a file's data is never read)."""
+    hc = CONFIGS["qwen2"]
+    w = random_weights(hc)
+    path = write_checkpoint(tmp_path / "ok", hc, w)
+    mcfg = hf.model_config_from_hf(path, ModelConfig())
+    _, aparams = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, mcfg.vocab_size, rngs=nnx.Rngs(0))), nnx.Param)
+    data = path / "model.safetensors"
+    n = int.from_bytes(data.read_bytes()[:8], "little")
+    data.write_bytes(data.read_bytes()[:8 + n] + b"\xff" * (data.stat().st_size - 8 - n))  # data bytes: garbage
+    hf.check_params(path, aparams)
+    bad = write_checkpoint(tmp_path / "bad", hc, dict(w, **{"model.norm.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(hf.HFError, match=r"'model\.norm\.weight' in .*: shape \[3\], expected \[64\]"):
+        hf.check_params(bad, aparams)
+    extra = write_checkpoint(tmp_path / "extra", hc, dict(w, **{"model.layers.0.mlp.up_proj.bias": np.zeros(128)}))
+    with pytest.raises(hf.HFError, match=r"1 tensors match no parameter"):
+        hf.check_params(extra, aparams)
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(hf.HFError, match=r"no \*\.safetensors files .*pytorch_model\.bin are PyTorch pickles"):
+        hf.check_params(tmp_path / "torch", aparams)
+
+
 @pytest.mark.parametrize("change, match", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type='gpt2' is not supported"),
     ({"architectures": ["MistralForCausalLM"]}, r"architectures=\['MistralForCausalLM'\] is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn' is not supported"),
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"rms_norm_eps": float("nan")}, "model.norm_eps=nan is not a finite number"),
+    ({"rope_theta": float("inf")}, "model.rope_theta=inf is not a finite number"),
 ])
 def test_unsupported_configs_are_config_errors(tmp_path, change, match):
     (tmp_path / "config.json").write_text(json.dumps(dict(CONFIGS["llama3"], **change)))

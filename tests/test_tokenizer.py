@@ -1,6 +1,7 @@
 """Tokenizers: byte round trips, prompt encoding, HF tokenizer.json loading and chat forms."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -183,3 +184,105 @@ def test_hf_chat_without_template_tokens(tmp_path):
     d = make_hf_dir(tmp_path, ["<eos>"], {"tokenizer_config.json": {"eos_token": "<eos>"}})
     with pytest.raises(ConfigError, match="ChatML"):
         HFTokenizer(str(d), chat=True)
+
+
+# --- a model's chat template: bounded, one-line errors -----------------------------------
+
+NEVER_ENDS = "{% set r = range(100000) %}{% for a in r %}{% for b in r %}{% endfor %}{% endfor %}"
+
+
+def chat_dir(tmp_path, template: str):
+    return make_hf_dir(tmp_path, CHATML, {"tokenizer_config.json": {"eos_token": "<|im_end|>",
+                                                                     "chat_template": template}})
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{{ raise_exception('System role not supported') }}", r"\(TemplateError: System role not supported\)"),
+    ("{{ messages[0].content.nope.deeper }}", r"\(UndefinedError: .*nope"),
+    ("{{ ''.__class__.__mro__ }}", r"\(SecurityError: access to attribute '__class__'"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", r"\(RecursionError: maximum recursion depth exceeded"),
+    ("{{ 1 / 0 }}", r"\(ZeroDivisionError: division by zero\)"),
+    ("{{ 'x' * 10000000000 }}", r": '\*' of 1 items by 10000000000 would be more than the 1048576 characters"),
+    ("{{ 3 ** 1000000000 }}", r": '\*\*' of 3 by 1000000000 would be more"),
+    ("{{ 'x'|center(10000000000) }}", r": an argument of 10000000000 would be more"),
+    ("{{ 'x'.ljust(10000000000) }}", r": an argument of 10000000000 would be more"),
+    ("{% for a in range(20000) %}{{ 'y' * 100 }}{% endfor %}", r": its output would be more than the 1048576"),
+])
+def test_a_template_that_fails_to_render_is_one_line_naming_its_file(tmp_path, template, needle):
+    pytest.importorskip("jinja2")
+    tok = HFTokenizer(str(chat_dir(tmp_path, template)), chat=True)
+    with pytest.raises(ConfigError) as e:
+        tok.encode_prompt("2+2?")
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'tokenizer_config.json'}: chat_template failed to render a prompt")
+    assert "\n" not in msg and len(msg) < 500
+    assert re.search(needle, msg), msg
+
+
+def test_a_template_that_never_ends_is_stopped_by_its_time_bound_in_any_thread(tmp_path, monkeypatch):
+    pytest.importorskip("jinja2")
+    import threading
+    import time
+
+    from async_rl import chat_template
+    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 0.3)
+    tok = HFTokenizer(str(chat_dir(tmp_path, NEVER_ENDS)), chat=True)
+    errors = []
+
+    def render():
+        t0 = time.monotonic()
+        try:
+            tok.encode_prompt("x")
+        except ConfigError as e:
+            errors.append((str(e), time.monotonic() - t0))
+
+    render()  # this (main) thread
+    t = threading.Thread(target=render)  # the pump's thread draws and encodes records too
+    t.start()
+    t.join(30)
+    assert len(errors) == 2, errors
+    for msg, took in errors:
+        assert "chat_template failed to render a prompt: still running after 0.3 s" in msg and took < 5
+
+
+def test_a_signal_stops_a_render_in_a_stoppable_scope(tmp_path):
+    """What train does at start-up: a SIGTERM during a template's long render stops it at once."""
+    pytest.importorskip("jinja2")
+    import threading
+    import time
+
+    from async_rl import chat_template
+    from async_rl.signals import Stopped
+    tok = HFTokenizer(str(chat_dir(tmp_path, NEVER_ENDS)), chat=True)
+    flag = threading.Event()
+    threading.Timer(0.2, flag.set).start()
+    t0 = time.monotonic()
+    with chat_template.stoppable(flag.is_set), pytest.raises(Stopped):
+        tok.encode_prompt("x")
+    assert time.monotonic() - t0 < chat_template.RENDER_TIMEOUT_S
+    with chat_template.stoppable(flag.is_set), pytest.raises(Stopped):  # checked before a render starts, too
+        tok.encode_prompt("x")
+    ok = HFTokenizer(str(chat_dir(tmp_path, SYSTEM_CHATML)), chat=True)
+    assert ok.encode_prompt("x") is not None  # outside the scope the signal is not the render's business
+
+
+def test_bounded_rendering_costs_little(tmp_path):
+    """The bound (watchdog bookkeeping, counted output, checked calls) on a few thousand prompts."""
+    pytest.importorskip("jinja2")
+    import time
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    tok = HFTokenizer(str(chat_dir(tmp_path, SYSTEM_CHATML)), chat=True)
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(SYSTEM_CHATML)
+    prompts = [f"what is {i} + {i + 1}?" for i in range(3000)]
+
+    def timed(f):
+        t0 = time.perf_counter()
+        for p in prompts:
+            f(p)
+        return time.perf_counter() - t0
+
+    unbounded = min(timed(lambda p: plain.render(messages=[{"role": "user", "content": p}],
+                                                 add_generation_prompt=True)) for _ in range(3))
+    bounded = min(timed(tok._chat_template) for _ in range(3))
+    assert bounded < 3 * unbounded + 0.05, (bounded, unbounded)
