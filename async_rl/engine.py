@@ -132,11 +132,11 @@ AXES = ("data", "tensor")
 
 def engine_mesh(devices, tensor: int = 1) -> Mesh:
     """Mesh ("data", "tensor") over the engine's devices: slots split over data, weights
-    and KV heads over tensor (consecutive devices form a tensor group)."""
-    devs = np.asarray(devices, dtype=object).reshape(-1)
-    if tensor < 1 or devs.size % tensor:
-        raise ConfigError(f"engine.tensor={tensor}: must divide the engine's {devs.size} devices")
-    return Mesh(devs.reshape(devs.size // tensor, tensor), AXES)
+    and KV heads over tensor (a tensor group: the closest devices, `sharding.build_mesh`)."""
+    devs = list(np.asarray(devices, dtype=object).reshape(-1))
+    if tensor < 1 or len(devs) % tensor:
+        raise ConfigError(f"engine.tensor={tensor}: must divide the engine's {len(devs)} devices")
+    return sharding.build_mesh(devs, (len(devs) // tensor, tensor), AXES)
 
 
 def check_tensor(model_cfg: ModelConfig, tensor: int) -> None:
@@ -294,10 +294,13 @@ class Engine:
         block laid out as its own engine mesh (None with one process)."""
         if not all_devices or len(all_devices) < 2:
             return None
-        devs = np.asarray(all_devices, dtype=object)
-        if devs.ndim != 2 or list(devs[jax.process_index()]) != list(self.mesh.devices.flat):
+        mine = set(all_devices[jax.process_index()])
+        if len({len(g) for g in all_devices}) != 1 or mine != set(self.mesh.devices.flat):
             raise ValueError("all_devices: one equal-length list per process, this process's equal to the engine's")
-        return Mesh(devs.reshape(devs.shape[0], *self.mesh.devices.shape), ("process",) + AXES)
+        mesh = sharding.stacked_mesh(all_devices, self.mesh.devices.shape, ("process",) + AXES)
+        if list(mesh.devices[jax.process_index()].flat) != list(self.mesh.devices.flat):
+            raise ValueError("all_devices: this process's list is not in the order its engine's devices were given")
+        return mesh
 
     def gathers(self, params) -> bool:
         """True when `load_params` takes these global (several-process) weights itself: they

@@ -14,24 +14,14 @@ from __future__ import annotations
 import os
 
 from .config import Config, ConfigError
+from .flops import param_count
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def param_count(cfg: Config, vocab: int) -> int:
-    m = cfg.model
-    hd = m.resolved_head_dim
-    attn = m.d_model * hd * (m.n_heads * 2 + m.n_kv_heads * 2)
-    if m.qkv_bias:
-        attn += hd * (m.n_heads + 2 * m.n_kv_heads)
-    layer = attn + 3 * m.d_model * m.d_ff + 2 * m.d_model
-    emb = vocab * m.d_model * (1 if m.tie_embeddings else 2)
-    return m.n_layers * layer + emb + m.d_model + m.learned_positions * m.d_model
-
-
 def estimate(cfg: Config, vocab: int) -> dict[str, int]:
     """The bytes each part of the run needs at least."""
-    m, n = cfg.model, param_count(cfg, vocab)
+    m, n = cfg.model, param_count(cfg.model, vocab)
     p_bytes, c_bytes = _BYTES.get(m.param_dtype, 4), _BYTES.get(m.dtype, 4)
     width = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
     kv = 2 * m.n_layers * cfg.engine.max_concurrent_decodes * width * m.n_kv_heads * m.resolved_head_dim * c_bytes

@@ -1,11 +1,12 @@
 """`async-rl plan`: a run's learner step compiled ahead of time for a TPU or GPU topology, on any host.
 
-Owns: topology names -> compile-only devices (libtpu's topology descriptions; GPU names via
-plan_gpu; `cpu:N` for forced host devices), the learner mesh over them, chip figures (usable HBM as XLA enforces
-it, published peak bf16 FLOP/s and HBM bandwidth), compiling the step from abstract arrays
-(no parameter is ever allocated), reading XLA's memory analysis and cost model, the
+Owns: topology names -> compile-only devices and their chip (libtpu's topology descriptions;
+GPU names via plan_gpu; `cpu:N` for forced host devices), compiling the step from abstract
+arrays (no parameter is ever allocated), reading XLA's memory analysis and cost model, the
 estimates made from them, and knobs to try when the step does not fit. Does not own: the
-step (learner), the config (config), printing (cli).
+step (learner), the meshes (sharding splits and lays the topology's devices out exactly as
+it does a run's), the chip figures (chips), model FLOPs (flops), the config (config),
+printing (cli).
 
 What the numbers are:
   memory   XLA's own accounting of the compiled step per chip: arguments (parameters,
@@ -19,20 +20,22 @@ What the numbers are:
            traffic is not (K/V blocks are re-read once per query block: hundreds of FLOPs per
            byte). GPU programs are costed through plan_gpu.hlo_cost.
   time     an estimate: max(FLOPs / peak, bytes accessed / HBM bandwidth), i.e. a roofline
-           with perfect overlap and no collective cost. MFU bound = model FLOPs (6 x
-           parameters x tokens + causal attention, per update pass; no recomputation) /
-           (estimated time x peak). Not a measurement.
+           with perfect overlap and no collective cost. MFU bound = model FLOPs
+           (`flops.step_flops`: 6 x parameters x tokens + causal attention, per update pass;
+           no recomputation) / (estimated time x peak). Not a measurement.
 
 The engine part compiles the engine's decode call (`engine.steps_per_call` steps, as the
-pump runs it) and one prefill for an engine over the topology's devices (mesh data x
-engine.tensor; `engine.max_concurrent_decodes` slots split over data, weights and KV heads
-over tensor). Its memory is the decode call's arguments (weights in the compute dtype, the
-KV cache) plus the larger of decode's and prefill's temporaries; its bytes accessed per
-decode step (a call's over its steps) come from layer-count differencing (2 and 3 layers,
-unrolled) since XLA counts a scanned layer once, and are set beside the bytes
-that must be read: weights plus the cache's columns (all of them: the widest window).
-With `mesh.engine_devices=0` engine and learner share the chips, so each must fit beside
-the other's resident state (weights and cache; parameters and optimizer state).
+pump runs it) and one prefill for one process's engine: as in the run, each process of the
+topology (a TPU host, a GPU node) runs its own over its share of the devices (its last
+`mesh.engine_devices`, or all of them), mesh data x engine.tensor,
+`engine.max_concurrent_decodes` slots split over data, weights and KV heads over tensor.
+Its memory is the decode call's arguments (weights in the compute dtype, the KV cache)
+plus the larger of decode's and prefill's temporaries; its bytes accessed per decode step
+(a call's over its steps) come from layer-count differencing (2 and 3 layers, unrolled)
+since XLA counts a scanned layer once, and are set beside the bytes that must be read:
+weights plus the cache's columns (all of them: the widest window). With
+`mesh.engine_devices=0` engine and learner share the chips, so each must fit beside the
+other's resident state (weights and cache; parameters and optimizer state).
 """
 
 from __future__ import annotations
@@ -48,40 +51,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import config as C
-from . import plan_gpu, sharding
-
-GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class Chip:
-    name: str
-    hbm_bytes: int  # usable HBM per device, as the compiler enforces it
-    peak_flops: float  # published dense bf16 FLOP/s per device
-    hbm_bandwidth: float  # published HBM bytes/s per device
-
-
-# TPU figures: Cloud TPU system architecture pages; usable HBM from the compiler's own
-# out-of-memory message for each topology. v4 exposes each of a chip's 2 cores as a device.
-CHIPS = {
-    "TPU v5 lite": Chip("v5e", int(15.75 * GiB), 197e12, 819e9),
-    "TPU v5": Chip("v5p", int(95.74 * GiB), 459e12, 2765e9),
-    "TPU v6 lite": Chip("v6e", int(31.25 * GiB), 918e12, 1640e9),
-    "TPU v4": Chip("v4 (per core)", int(15.25 * GiB), 137.5e12, 614e9),
-}
-# Accelerators the benchmarks may run on (matched by substring of device_kind).
-GPUS = {kind: Chip(g.name, g.hbm_bytes, g.peak_flops, g.hbm_bandwidth) for kind, g in
-        (("H200", plan_gpu.GPUS["h200"]), ("H100", plan_gpu.GPUS["h100"]), ("A100", plan_gpu.GPUS["a100-80g"]),
-         ("B200", plan_gpu.GPUS["b200"]))}
-# Forced host devices have no published figures: nominal ones, so plan logic can be tested.
-NOMINAL_CPU = Chip("cpu (nominal figures)", 16 * GiB, 1e12, 1e11)
-
-
-def chip_for(device) -> Chip | None:
-    kind = getattr(device, "device_kind", "")
-    if kind in CHIPS:
-        return CHIPS[kind]
-    return next((c for k, c in GPUS.items() if k in kind), None)
+from . import flops, plan_gpu, sharding
+from .chips import NOMINAL_CPU, TPUS, Chip, GiB
 
 
 def topology(name: str) -> tuple[list, Chip]:
@@ -104,26 +75,10 @@ def topology(name: str) -> tuple[list, Chip]:
                             "v5e:2x4, v5p:4x4x2, v6e:4x4, and need libtpu: pip install -e '.[tpu]'; GPU "
                             "names: h100:8, h200:8, a100-80g:8, b200:8, h100:4x8") from None
     devs = list(desc.devices)
-    chip = CHIPS.get(devs[0].device_kind)
+    chip = TPUS.get(devs[0].device_kind)
     if chip is None:
         raise C.ConfigError(f"--topology={name}: no figures for device kind {devs[0].device_kind!r}")
     return devs, chip
-
-
-def mesh_for(devices: list, mc: C.MeshConfig) -> Mesh:
-    """The learner mesh (data, fsdp, tensor) over `devices`, laid out for the TPU torus."""
-    rest = mc.fsdp * mc.tensor
-    data = mc.data if mc.data != -1 else len(devices) // rest
-    if data < 1 or data * rest != len(devices):
-        raise C.ConfigError(f"mesh.data={mc.data} mesh.fsdp={mc.fsdp} mesh.tensor={mc.tensor}: product must "
-                            f"equal the topology's {len(devices)} devices")
-    shape = (data, mc.fsdp, mc.tensor)
-    if devices[0].platform == "tpu":
-        from jax.experimental import mesh_utils
-        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-    else:
-        grid = np.array(devices).reshape(shape)
-    return Mesh(grid, sharding.AXES)
 
 
 @dataclass
@@ -146,6 +101,7 @@ class Part:
     kv_bytes: int = 0  # engine: the KV cache's share on a chip
     resident_bytes: int = 0  # what stays allocated between this program's runs (state)
     attention: str = ""  # learner: the attention kernel in the compiled step
+    mesh: Mesh | None = None  # the devices it was compiled for, as the run lays them out
 
 
 @dataclass
@@ -185,7 +141,8 @@ class Report:
                        attention=lp.attention or None)
         ep = self.parts.get("engine")
         if ep is not None:
-            out.update(engine_bytes_per_chip=ep.total_bytes, engine_params_bytes_per_chip=ep.params_bytes,
+            out.update(engine_mesh=dict(ep.mesh.shape) if ep.mesh is not None else None,
+                       engine_bytes_per_chip=ep.total_bytes, engine_params_bytes_per_chip=ep.params_bytes,
                        engine_kv_bytes_per_chip=ep.kv_bytes, engine_temp_bytes_per_chip=ep.temp_bytes,
                        engine_bytes_accessed_per_decode_step=ep.bytes_accessed,
                        engine_decode_read_ratio=(ep.bytes_accessed / (ep.params_bytes + ep.kv_bytes)
@@ -256,7 +213,8 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
         need = _oom_bytes(msg)
         return Part("learner", False, time.perf_counter() - t0, params_bytes=_shard_bytes(state["params"]),
                     opt_bytes=_shard_bytes(state["opt"]), total_bytes=need or 0,
-                    error=msg.splitlines()[0][:400] if need is None else f"needs {need / GiB:.2f} GiB per chip")
+                    error=msg.splitlines()[0][:400] if need is None else f"needs {need / GiB:.2f} GiB per chip",
+                    mesh=mesh)
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     params, opt, batch_b = _shard_bytes(state["params"]), _shard_bytes(state["opt"]), _shard_bytes(batch)
@@ -265,13 +223,13 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
     total = args + ma.temp_size_in_bytes + other
     part = Part("learner", total <= chip.hbm_bytes, compile_s, params_bytes=params, opt_bytes=opt,
                 batch_bytes=batch_b, temp_bytes=ma.temp_size_in_bytes, other_bytes=other + args - params - opt
-                - batch_b - (_shard_bytes(ref) if ref is not None else 0), total_bytes=total)
-    part.model_flops = model_flops(cfg, vocab) / mesh.size
+                - batch_b - (_shard_bytes(ref) if ref is not None else 0), total_bytes=total, mesh=mesh)
+    part.model_flops = sum(flops.step_flops(cfg, vocab).values()) / mesh.size
     part.attention = attention_used(learner, compiled)
     if cost:
         part.flops, part.bytes_accessed = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled))))
         if part.attention.startswith(("splash", "cuDNN")):
-            part.kernel_flops = kernel_flops(cfg, backward=7 if learner.attn.impl == "splash" else 5) / mesh.size
+            part.kernel_flops = flops.kernel_flops(cfg, backward=7 if learner.attn.impl == "splash" else 5) / mesh.size
             part.flops += part.kernel_flops
     return part
 
@@ -419,53 +377,21 @@ def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool
         need = _oom_bytes(msg)
         return Part("engine", False, time.perf_counter() - t0, params_bytes=_shard_bytes(params),
                     kv_bytes=_shard_bytes(state.cache), total_bytes=need or 0,
-                    error=msg.splitlines()[0][:400] if need is None else f"needs {need / GiB:.2f} GiB per chip")
+                    error=msg.splitlines()[0][:400] if need is None else f"needs {need / GiB:.2f} GiB per chip",
+                    mesh=eng.mesh)
     compile_s = time.perf_counter() - t0
     dm, pm = decode.memory_analysis(), prefill.memory_analysis()
     w, kv, st = _shard_bytes(params), _shard_bytes(state.cache), _shard_bytes(state)
     temp = max(dm.temp_size_in_bytes, pm.temp_size_in_bytes + pm.output_size_in_bytes)
     total = dm.argument_size_in_bytes + temp + max(dm.output_size_in_bytes - dm.alias_size_in_bytes, 0)
     part = Part("engine", total <= chip.hbm_bytes, compile_s, params_bytes=w, temp_bytes=temp,
-                other_bytes=total - w - st - temp, total_bytes=total, kv_bytes=kv, resident_bytes=w + st)
+                other_bytes=total - w - st - temp, total_bytes=total, kv_bytes=kv, resident_bytes=w + st, mesh=eng.mesh)
     if cost:
         # 2 and 3 layers: with 1, fusion differs enough to skew the per-layer difference
         two, three = (np.array(_cost(_decode_call(eng_l).lower(p_l, s_l).compile())) / eng_l.steps_per_call
                       for eng_l, p_l, s_l in (_engine(cfg, vocab, devices, n, unroll=True) for n in (2, 3)))
         part.flops, part.bytes_accessed = (float(v) for v in two + (cfg.model.n_layers - 2) * (three - two))
     return part
-
-
-def _passes(cfg: C.Config) -> tuple[int, int]:
-    """(forward+backward passes over the step's rows, extra forward-only passes)."""
-    lc = cfg.learner
-    fwd_only = int(lc.ppo_epochs * lc.minibatches > 1 and lc.is_correction != "none")  # pi_prox
-    fwd_only += lc.ppo_epochs * int(lc.kl_coef > 0)  # the reference model, with every update
-    return lc.ppo_epochs, fwd_only
-
-
-def model_flops(cfg: C.Config, vocab: int) -> float:
-    """Useful FLOPs of one step: 6 N D for the trunk over all columns, the vocabulary
-    projection at completion columns only, causal attention; no recomputation."""
-    m = cfg.model
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    P, N = cfg.engine.max_prompt_len, cfg.rollout.max_new_tokens
-    T, hd = P + N, m.resolved_head_dim
-    trunk = m.n_layers * (m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff)
-    per_pass = 2 * trunk * rows * T + 2 * m.d_model * vocab * rows * N + 2 * m.n_layers * m.n_heads * hd * T * T * rows
-    fb, fwd = _passes(cfg)
-    return 3.0 * per_pass * fb + per_pass * fwd
-
-
-def kernel_flops(cfg: C.Config, backward: int = 7) -> float:
-    """FLOPs inside fused attention kernels: per causal matmul H hd T^2 per row and layer; 2
-    in the forward, `backward` in the backward (splash 7: dq 3, dk/dv 4; cuDNN 5: scores,
-    dP, dV, dK, dQ), 2 more when blocks are rematerialised."""
-    m, lc = cfg.model, cfg.learner
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    T = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
-    unit = m.n_heads * m.resolved_head_dim * T * T * rows * m.n_layers
-    fb, fwd = _passes(cfg)
-    return unit * (fb * (2 + backward + 2 * (lc.remat != "none")) + 2 * fwd)
 
 
 def suggest(cfg: C.Config, part: Part, chip: Chip, mesh: Mesh) -> list[str]:
@@ -501,17 +427,20 @@ def plan(cfg: C.Config, topology_name: str, *, config_name: str = "", hbm_gib: f
     devices, chip = topology(topology_name)
     if hbm_gib:
         chip = dataclasses.replace(chip, hbm_bytes=int(hbm_gib * GiB))
-    mesh = mesh_for(devices, cfg.mesh)
+    split = sharding.split_devices(devices, cfg.mesh)  # as the run splits and lays them out
+    mesh, rows = split.learner, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    if rows % sharding.batch_shards(mesh):
+        raise C.ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: prompts_per_step x "
+                            f"samples_per_prompt ({rows}) must divide evenly over the {sharding.batch_shards(mesh)} "
+                            "data-parallel shards (mesh data x fsdp)")
     vocab = cfg.model.vocab_size
     if not vocab:
         raise C.ConfigError("model.vocab_size=0: plan needs the vocabulary size (set it, or model.hf_path)")
     rep = Report(config_name, topology_name, chip, len(devices), dict(mesh.shape))
     rep.parts["learner"] = part = learner_part(cfg, vocab, mesh, chip, cost=cost)
-    if engine:
-        n = cfg.mesh.engine_devices
-        eng_devices = devices[len(devices) - n:] if n else devices
-        rep.parts["engine"] = ep = engine_part(cfg, vocab, eng_devices, chip, cost=cost)
-        if not n and part.fits and ep.fits:  # shared chips: each beside the other's resident state
+    if engine:  # each process runs one engine over its share: the first process's stands for all
+        rep.parts["engine"] = ep = engine_part(cfg, vocab, split.engine, chip, cost=cost)
+        if split.shared and part.fits and ep.fits:  # shared chips: each beside the other's resident state
             part.resident_bytes = part.params_bytes + part.opt_bytes
             part.fits = part.total_bytes + ep.resident_bytes <= chip.hbm_bytes
             ep.fits = ep.total_bytes + part.resident_bytes <= chip.hbm_bytes
@@ -525,6 +454,10 @@ def _si(x: float, unit: str) -> str:
         if abs(x) >= scale:
             return f"{x / scale:,.1f} {prefix}{unit}"
     return f"{x:,.0f} {unit}"
+
+
+def _shape(mesh: Mesh) -> str:
+    return " x ".join(f"{k} {v}" for k, v in mesh.shape.items())
 
 
 def format_report(rep: Report) -> str:
@@ -562,7 +495,8 @@ def format_report(rep: Report) -> str:
 
 def format_engine(rep: Report, ep: Part) -> list[str]:
     g = lambda b: f"{b / GiB:8.2f} GiB"
-    lines = [f"engine decode + prefill, per chip (compiled in {ep.compile_s:.1f} s):",
+    where = f"one per process, mesh {_shape(ep.mesh)}, " if ep.mesh is not None else ""
+    lines = [f"engine decode + prefill, {where}per chip (compiled in {ep.compile_s:.1f} s):",
              f"  weights          {g(ep.params_bytes)}", f"  KV cache         {g(ep.kv_bytes)}"]
     if ep.error:
         lines.append(f"  {ep.error}")

@@ -1,9 +1,9 @@
 """GPU topologies for `async-rl plan`: compile for 8 x H100 (or H200, A100, B200) on any host.
 
 Owns: GPU topology names ("h100:8", "h100:4x8" = nodes x GPUs per node) -> compile-only
-CUDA devices, the GPU figures (HBM, published peak dense bf16 FLOP/s and HBM bandwidth),
-the GPU target descriptions shipped in `gpu_specs/`, and the cost model of a program
-compiled for them. Does not own: the plan itself, its report or JSON (plan).
+CUDA devices, the GPU target descriptions shipped in `gpu_specs/`, and the cost model of a
+program compiled for them. Does not own: the GPU figures and which description each
+compiles against (chips), the plan itself, its report or JSON (plan).
 
 How: the CUDA PJRT plugin (the `gpu-plan` extra) compiles for a GPU described by a text
 GpuTargetConfig, with no GPU and no CUDA driver, when JAX runs on the CPU platform
@@ -18,30 +18,11 @@ from the causal formula, as it does for TPU's splash kernels.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from importlib import resources
 
 from . import config as C
+from .chips import GPUS, Chip
 
-
-@dataclass(frozen=True)
-class Gpu:
-    spec: str  # file in async_rl/gpu_specs/
-    name: str
-    hbm_bytes: int  # published memory per GPU (decimal bytes)
-    peak_flops: float  # published dense bf16 tensor-core FLOP/s per GPU
-    hbm_bandwidth: float  # published HBM bytes/s per GPU
-
-
-# NVIDIA's datasheets: H100 Tensor Core GPU (SXM5), H200 Tensor Core GPU (SXM), A100 Tensor
-# Core GPU (SXM4 80GB), DGX B200 (per GPU: 1,440 GB and 72 PFLOPS FP8 over 8 GPUs). Dense
-# figures, i.e. without 2:4 sparsity.
-GPUS = {
-    "h100": Gpu("h100_sxm.txtpb", "H100 SXM 80GB", 80 * 10 ** 9, 989e12, 3.35e12),
-    "h200": Gpu("h200_sxm.txtpb", "H200 SXM 141GB", 141 * 10 ** 9, 989e12, 4.8e12),
-    "a100-80g": Gpu("a100_sxm_80.txtpb", "A100 SXM 80GB", 80 * 10 ** 9, 312e12, 2.039e12),
-    "b200": Gpu("b200.txtpb", "B200 180GB", 180 * 10 ** 9, 2.25e15, 8e12),
-}
 _NAME = re.compile(r"([a-z0-9-]+):(?:(\d+)x)?(\d+)")
 
 
@@ -51,13 +32,12 @@ def is_gpu(name: str) -> bool:
 
 
 def target_config(gpu: str) -> str:
-    """The GpuTargetConfig text proto for one of GPUS (shipped with the package)."""
+    """The GpuTargetConfig text proto for one of `chips.GPUS` (shipped with the package)."""
     return resources.files("async_rl").joinpath("gpu_specs", GPUS[gpu].spec).read_text()
 
 
-def topology(name: str):
-    """(devices, plan.Chip) for "h100:8" (one node) or "h100:4x8" (4 nodes of 8)."""
-    from .plan import Chip
+def topology(name: str) -> tuple[list, Chip]:
+    """(devices, chip) for "h100:8" (one node) or "h100:4x8" (4 nodes of 8)."""
     m = _NAME.fullmatch(name)
     if not m or m.group(1) not in GPUS:
         raise C.ConfigError(f"--topology={name}: GPU names are {', '.join(k + ':8' for k in GPUS)} or NODESxGPUS "
@@ -77,10 +57,8 @@ def topology(name: str):
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise C.ConfigError(f"--topology={name}: cannot describe this GPU topology ({why}); it needs the CUDA "
                             "compiler plugin: pip install -e '.[gpu-plan]'") from None
-    g = GPUS[gpu]
     # keep nodes contiguous: the mesh's minor (tensor, then fsdp) axes stay inside a node
-    devs = sorted(desc.devices, key=lambda d: (d.process_index, d.id))
-    return devs, Chip(g.name, g.hbm_bytes, g.peak_flops, g.hbm_bandwidth)
+    return sorted(desc.devices, key=lambda d: (d.process_index, d.id)), GPUS[gpu]
 
 
 def hlo_cost(compiled) -> tuple[float, float]:

@@ -1,15 +1,16 @@
 """Processes, device meshes and shardings for the learner and the engine.
 
 Owns: joining a multi-process job (`init_distributed`) and small cross-process agreements
-(`agree`), splitting each process's devices between learner and engine
-(`mesh.engine_devices`), the learner Mesh with axes (data, fsdp, tensor), the rules that turn a parameter's logical `axes`
-metadata into a PartitionSpec, optimizer-state shardings, the batch sharding, and
+(`agree`), splitting the devices between learner and engine (`mesh.engine_devices`), every
+device mesh's layout (`build_mesh`: topology-aware on TPU, the run's and `async-rl plan`'s alike),
+the learner Mesh with axes (data, fsdp, tensor), the rules that turn a parameter's logical
+`axes` metadata into a PartitionSpec, optimizer-state shardings, the batch sharding, and
 host-local batches -> global arrays. Does not own: what the arrays mean (model,
-learner) or moving weights into the engine (engine.load_params).
-"""
+learner) or moving weights into the engine (engine.load_params)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -102,32 +103,87 @@ def _first_line(e: BaseException) -> str:
 
 
 def make_devices(cfg: MeshConfig) -> Devices:
-    """Splits devices and builds the learner mesh; errors name the mesh.* field.
+    """This run's devices: `split_devices` over every process's devices, this process's engine share."""
+    return split_devices(jax.devices(), cfg, jax.process_index())
 
-    Each process gives its last `mesh.engine_devices` local devices to its own engine; the
-    learner mesh spans the remaining devices of every process."""
-    local = jax.local_devices()
+
+def split_devices(devices: list, cfg: MeshConfig, process: int | None = None) -> Devices:
+    """Splits `devices` (every process's) and builds the learner mesh; errors name the mesh.* field.
+
+    Each process gives its last `mesh.engine_devices` devices (by id) to its own engine; the
+    learner mesh spans the remaining devices of every process, process by process. `engine`
+    is the share of `process` (None: the first). The run (`make_devices`) and `async-rl plan`
+    (a topology's devices) both split and lay out here, so the plan compiles the run's meshes."""
     k = cfg.engine_devices
-    if k >= len(local):
-        raise ConfigError(f"mesh.engine_devices={k}: must be < the {len(local)} devices of this process "
-                          "(the learner needs at least one)")
     by_process: dict[int, list] = {}
-    for d in jax.devices():
+    for d in devices:
         by_process.setdefault(d.process_index, []).append(d)
+    fewest = min(len(ds) for ds in by_process.values())
+    if k >= fewest:
+        raise ConfigError(f"mesh.engine_devices={k}: must be < the {fewest} devices of each process "
+                          "(the learner needs at least one)")
     learner, engine_all = [], []
     for _, ds in sorted(by_process.items()):
         ds = sorted(ds, key=lambda d: d.id)
-        learner += ds[:len(ds) - k] if k else ds
+        learner += ds[:len(ds) - k]
         engine_all.append(ds[len(ds) - k:] if k else ds)
-    n = len(learner)
-    rest = cfg.fsdp * cfg.tensor
+    order = sorted(by_process)
+    engine = engine_all[order.index(order[0] if process is None else process)]
+    return Devices(learner=learner_mesh(learner, cfg), engine=list(engine), shared=not k, engine_all=engine_all)
+
+
+def learner_mesh(devices: list, cfg: MeshConfig) -> Mesh:
+    """The learner mesh (data, fsdp, tensor) over `devices`, sized by mesh.*."""
+    n, rest = len(devices), cfg.fsdp * cfg.tensor
     data = cfg.data if cfg.data != -1 else n // rest
     if data < 1 or data * rest != n:
         raise ConfigError(f"mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.tensor={cfg.tensor}: "
                           f"product must equal the {n} learner devices")
-    mesh = Mesh(np.array(learner).reshape(data, cfg.fsdp, cfg.tensor), AXES)
-    engine = engine_all[sorted(by_process).index(jax.process_index())]  # ordered as every process sees it
-    return Devices(learner=mesh, engine=list(engine), shared=not k, engine_all=engine_all)
+    return build_mesh(devices, (data, cfg.fsdp, cfg.tensor), AXES)
+
+
+def build_mesh(devices: list, shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
+    """A Mesh of `shape` over `devices`, laid out by `layout`. Every Mesh of the package is built
+    here or in `stacked_mesh`, so the plan and the run lay the same devices out alike."""
+    return Mesh(layout(devices, shape), axes)
+
+
+def stacked_mesh(groups: list[list], shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
+    """A Mesh with a leading axis over `groups` (one per process), each group laid out as
+    `build_mesh(group, shape, ...)` lays it out; `axes` names the leading axis first."""
+    return Mesh(np.stack([layout(g, shape) for g in groups]), axes)
+
+
+def layout(devices: list, shape: tuple[int, ...]) -> np.ndarray:
+    """`devices` as an array of `shape`, the last axes (the most communication) on the closest
+    devices. On TPU: over the torus (`mesh_utils.create_device_mesh`); devices of several
+    slices each hold a block of the outer axes (`create_hybrid_device_mesh`; the data axis first,
+    the slices' links being the slowest). Elsewhere, and for a TPU subset that is no whole
+    cuboid of chips (a learner beside engine devices): the order given, which for the run's
+    meshes is process by process, by id, so a GPU node holds a block of the inner axes."""
+    devices = list(devices)
+    if len(devices) != int(np.prod(shape)):
+        raise ValueError(f"{len(devices)} devices cannot form a mesh of shape {shape}")
+    grid = _torus(devices, shape) if devices[0].platform == "tpu" else None
+    return grid if grid is not None else np.array(devices, dtype=object).reshape(shape)
+
+
+def _torus(devices: list, shape: tuple[int, ...]) -> np.ndarray | None:
+    from jax.experimental import mesh_utils
+    n_slices = len({getattr(d, "slice_index", None) or 0 for d in devices})
+    try:
+        if n_slices == 1:
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        outer, left = [], n_slices
+        for size in shape:
+            outer.append(math.gcd(left, size))
+            left //= outer[-1]
+        if left != 1:
+            return None  # the slice count does not divide the axes: the order given
+        inner = tuple(size // o for size, o in zip(shape, outer))
+        return mesh_utils.create_hybrid_device_mesh(inner, outer, devices, allow_split_physical_axes=True)
+    except (AssertionError, ValueError, NotImplementedError):  # mesh_utils' ways of refusing a set of devices
+        return None
 
 
 def batch_shards(mesh: Mesh) -> int:

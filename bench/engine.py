@@ -55,11 +55,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import backends  # noqa: E402  (bench/backends.py, beside this file)
 import common  # noqa: E402
 
+from async_rl import chips
 from async_rl import config as cfg_lib
 from async_rl.decoding import generate_all
 from async_rl.engine import Engine, sample_token, token_key
 from async_rl.model import Transformer, layout
-from async_rl.plan import chip_for
 from async_rl.rollout import BuiltinRollout
 
 
@@ -359,7 +359,7 @@ def roofline(args, eng: Engine, ep, model_cfg, rs, p: int, n_new: int, s: int, k
         model_cfg.dtype).itemsize  # k and v of one column in every slot and layer
     kv = sum(per_col * (p + n + 1) for n in range(steps))  # columns held, plus the new one
     total = steps * weights + kv
-    chip = chip_for(jax.devices()[0])
+    chip = chips.for_device(jax.devices()[0])
     bw = args.hbm_gbps * 1e9 or (chip.hbm_bandwidth if chip else 0.0)
     tps = s * steps / secs
     print(f"\ndecode vs HBM roofline: {s} slots x (prompt {p} + {steps} tokens), K={k}, {model_cfg.dtype}; "

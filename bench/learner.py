@@ -8,28 +8,27 @@ AdamW update, metrics) on a fixed synthetic batch, blocking on every step's resu
 a compile step and warm-up steps. The batch goes through `build_batch` from per-row
 records, as in training, so shapes, dtypes and shardings are the trainer's.
 
-What the FLOPs count (model FLOPs, not hardware FLOPs; recomputation or wasted work
-counts for nothing):
-  matmuls   6 * N_trunk * B*T  +  6 * d * V * B*N
-            N_trunk = non-embedding parameters of the blocks (q, k, v, o, gate, up, down;
-            norm scales are noise); every one of the T = P + N columns must run forward
-            and backward through the trunk, because prompt keys/values feed the completion.
-            The output projection (d x V) is only needed at the N columns whose logits enter
-            the loss. The input embedding is a gather: 0 FLOPs.
-  attention 12 * L * H * hd * T per token (QK^T and PV, forward 4, backward 8) over the
-            full T x T square when the plain path computes it (rows no wider than one
-            attention block), half of it (the causal triangle) when a blockwise, cuDNN or
-            splash kernel skips the masked blocks.
-The reference-model forward (KL penalty) is not counted and not run unless --kl-coef > 0;
-then 2 * (N_trunk * B*T + d*V*B*N) + 4*L*H*hd*T*B*T are added for it.
+What the FLOPs count: `async_rl.flops.step_flops`, the count `async-rl plan` uses (model
+FLOPs, not hardware FLOPs; recomputation or wasted work counts for nothing). Per pass over
+the B rows of T = P + N columns:
+  matmuls   2 * N_matmul * B*T  +  2 * d * V * B*N
+            N_matmul = the blocks' matmul kernels (q, k, v, o, gate, up, down), read off the
+            model's parameter tree; every column runs through the trunk, because prompt
+            keys/values feed the completion. The output projection (d x V) is only needed at
+            the N columns whose logits enter the loss. The input embedding is a gather: 0 FLOPs.
+  attention 4 * L * H * hd * T per token (QK^T and PV) over the full T x T square when the
+            plain path computes it (rows no wider than one attention block), half of it (the
+            causal triangle) when a blockwise, cuDNN or splash kernel skips the masked blocks.
+A forward+backward pass counts 3 of these; a forward-only pass 1 (the reference model, run
+only with --kl-coef > 0; the proximal policy, with several updates per step).
 
 The peak (--peak measured, the default) is the fastest square fp32 (or --dtype) `jnp.dot`
 of a few sizes (up to --peak-n) on the same devices in the same process, timed after
 warm-up (best of several), sharded by rows over the learner mesh so every device works.
 It is measured before and after the steps and the better is used, so a burst of load
 from other processes during one of the two does not inflate the MFU. --peak spec uses
-the chip's published dense bf16 FLOP/s instead (TPUs and H100/H200/A100; see
-async_rl.plan), the figure MFU is usually quoted against.
+the chip's published dense bf16 FLOP/s instead (TPUs and H100/H200/A100/B200; see
+async_rl.chips), the figure MFU is usually quoted against.
 
     python bench/learner.py                   # small preset, fp32, 4 prompts x 4 samples x 96 columns
     python bench/learner.py --prompts 2 --samples 8 --prompt-len 64 --new-tokens 128   # preset row width
@@ -95,10 +94,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (bench/common.py, beside this file)
 
-from async_rl import attention, sharding  # noqa: E402
+from async_rl import attention, chips, flops, sharding  # noqa: E402
 from async_rl import config as cfg_lib  # noqa: E402
 from async_rl.learner import Learner, Row, build_batch  # noqa: E402
-from async_rl.plan import chip_for  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -127,36 +125,6 @@ def synthetic_rows(n_groups: int, samples: int, prompt_len: int, new_tokens: int
         prompt = rs.randint(0, vocab, prompt_len).astype(np.int32)
         rows += [Row(prompt, toks, lp, np.zeros(new_tokens, np.int32), r) for toks, lp, r in completions]
     return rows
-
-
-def param_counts(params) -> dict[str, int]:
-    """Parameters by role, from the tree paths (embedding, output head, trunk)."""
-    out = {"embed": 0, "head": 0, "trunk": 0, "other": 0}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = jax.tree_util.keystr(path)
-        if "'embed'" in name or "'pos_embed'" in name:
-            out["embed"] += leaf.size
-        elif "'lm_head'" in name:
-            out["head"] += leaf.size
-        elif "'layers'" in name:
-            out["trunk"] += leaf.size
-        else:
-            out["other"] += leaf.size  # final norm
-    return out
-
-
-def model_flops(mc, vocab: int, n_trunk: int, B: int, T: int, N: int, with_ref: bool,
-                causal: bool = False) -> dict[str, float]:
-    L, H, hd, d = mc.n_layers, mc.n_heads, mc.resolved_head_dim, mc.d_model
-    square = 0.5 if causal else 1.0
-    out = {
-        "trunk": 6.0 * n_trunk * B * T,
-        "head": 6.0 * d * vocab * B * N,  # tied or untied, the projection costs the same
-        "attention": 12.0 * L * H * hd * T * B * T * square,
-    }
-    if with_ref:
-        out["ref forward"] = 2.0 * (n_trunk * B * T + d * vocab * B * N) + 4.0 * L * H * hd * T * B * T * square
-    return out
 
 
 def matmul_peak(mesh, sizes, dtype, reps: int = 5) -> tuple[float, int]:
@@ -206,13 +174,12 @@ def main(args):
     params = learner.init_params()
     ref = learner.publishable(params) if learner.use_ref else None
     state = block(learner.init_state(params))
-    counts = param_counts(state["params"])
     rows = synthetic_rows(args.prompts, args.samples, P_, N_, args.vocab, args.seed)
     batch = build_batch(rows, n_rows=B, prompt_len=P_, max_new=N_, pad_id=0)
     init_s = time.perf_counter() - t0
 
     sizes = sorted({max(args.peak_n // 4, 256), max(args.peak_n // 2, 256), args.peak_n})
-    chip = chip_for(mesh.devices.flat[0])
+    chip = chips.for_device(mesh.devices.flat[0])
     if args.peak == "spec" and chip is None:
         sys.exit(f"--peak spec: no published figures for {mesh.devices.flat[0].device_kind!r}; use --peak measured")
     peak_before, n_before = matmul_peak(mesh, sizes, dtype)
@@ -243,14 +210,15 @@ def main(args):
     load_after = os.getloadavg()[0]
 
     causal = learner.attn.impl != "xla" and not (learner.attn.impl == "blockwise" and T <= attention.BLOCK)
-    fl = model_flops(mc, args.vocab, counts["trunk"], B, T, N_, learner.use_ref, causal)
+    fl = flops.step_flops(cfg, args.vocab, causal)
     total = sum(fl.values())
+    counts, (fb, fwd) = flops.param_counts(mc, args.vocab), flops.passes(cfg)
     med, best = float(np.median(times)), min(times)
 
     dev = mesh.devices.flat[0]
-    print(f"model: {args.config} model section, {sum(counts.values()) / 1e6:.1f}M params "
-          f"(trunk {counts['trunk'] / 1e6:.2f}M, embed {counts['embed'] / 1e6:.2f}M, "
-          f"head {counts['head'] / 1e6:.2f}M), vocab {args.vocab}, {mc.n_layers} layers d={mc.d_model} "
+    print(f"model: {args.config} model section, {counts.total / 1e6:.1f}M params "
+          f"(trunk {counts.trunk / 1e6:.2f}M, embed {counts.embed / 1e6:.2f}M, "
+          f"head {counts.head / 1e6:.2f}M), vocab {args.vocab}, {mc.n_layers} layers d={mc.d_model} "
           f"H={mc.n_heads} Hkv={mc.n_kv_heads} hd={mc.resolved_head_dim} F={mc.d_ff}, "
           f"tie_embeddings={mc.tie_embeddings}")
     preset_dtype = cfg_lib.load(args.config).model.dtype
@@ -260,10 +228,10 @@ def main(args):
     print(f"batch: {args.prompts} prompts x {args.samples} samples = B {B} rows, "
           f"T = P {P_} + N {N_} = {T} columns, {B * T} tokens/step ({B * N_} completion tokens), "
           f"no padding")
-    print(f"flops/step = 6*N_trunk*B*T + 6*d*V*B*N + {'6' if causal else '12'}*L*H*hd*T*B*T"
-          + (" + ref forward" if learner.use_ref else "")
-          + f" = {' + '.join(f'{v / 1e9:.1f}' for v in fl.values())} = {total / 1e9:.1f} GFLOP "
-          f"(fwd+bwd; reference-model forward {'included' if learner.use_ref else 'not run (kl_coef=0)'})")
+    print(f"flops/step = {3 * fb + fwd} x (2*N_matmul*B*T + 2*d*V*B*N + {'2' if causal else '4'}*L*H*hd*T*B*T)"
+          f" = {' + '.join(f'{k} {v / 1e9:.1f}' for k, v in fl.items())} = {total / 1e9:.1f} GFLOP "
+          f"(N_matmul {counts.matmul / 1e6:.2f}M; {fb} forward+backward pass(es) count 3 each, {fwd} forward-only "
+          f"1 each; reference model {'included' if learner.use_ref else 'not run (kl_coef=0)'})")
     print(f"timing: init {init_s:.1f} s, compile+first step {compile_s:.1f} s, {args.warmup} warm-up, "
           f"{args.steps} timed steps blocking on each; peak = fastest of 5 square dots each of "
           f"n = {', '.join(map(str, sizes))}, before ({peak_before / 1e9:.1f}) and after "
@@ -292,7 +260,7 @@ def main(args):
 def plan_line(cfg, vocab: int, mesh, chip, measured_s: float) -> str:
     """The plan's roofline for the step just timed (same config, mesh and chip figures)."""
     from async_rl import plan as PL
-    chip = chip or PL.NOMINAL_CPU  # no published figures (a CPU): the code path, not a prediction
+    chip = chip or chips.NOMINAL_CPU  # no published figures (a CPU): the code path, not a prediction
     part = PL.learner_part(cfg, vocab, mesh, chip)
     est = PL.Report("", "", chip, mesh.devices.size, dict(mesh.shape), parts={"learner": part}).estimates()
     if not est["est_step_s"]:

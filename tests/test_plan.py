@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from async_rl import cli
+from async_rl import chips, cli, flops, sharding
 from async_rl import config as C
 from async_rl import plan as PL
 from async_rl.learner import Learner
@@ -28,12 +28,42 @@ def test_memory_is_the_compiled_steps_and_state_is_split_over_fsdp():
     rep = PL.plan(cfg, "cpu:4", cost=False)
     lp = rep.parts["learner"]
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(
-        Learner(cfg, 64, PL.mesh_for(jax.devices()[:4], cfg.mesh)).abstract_params))
+        Learner(cfg, 64, sharding.learner_mesh(jax.devices()[:4], cfg.mesh)).abstract_params))
     # fp32 parameters split 4 ways (a few small ones, e.g. norm scales of odd size, may stay whole)
     assert n_params * 4 / 4 <= lp.params_bytes <= n_params * 4 / 4 * 1.1
     assert lp.opt_bytes == pytest.approx(2 * lp.params_bytes, rel=0.01)  # Adam's two moments
     assert lp.fits and lp.total_bytes >= lp.params_bytes + lp.opt_bytes + lp.temp_bytes
     assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+def ids(mesh) -> list:
+    return [d.id for d in mesh.devices.flat]
+
+
+def test_plan_compiles_the_runs_meshes_on_forced_host_devices():
+    # the learner beside 2 engine devices: the run's learner mesh has 2 devices, so must the plan's
+    from async_rl.engine import engine_mesh
+    cfg = cfg_of("mesh.engine_devices=2", "mesh.fsdp=2", "engine.tensor=2", "model.n_layers=1")
+    rep = PL.plan(cfg, "cpu:4", cost=False)
+    run = sharding.make_devices(cfg.mesh)
+    assert ids(rep.parts["learner"].mesh) == ids(run.learner) == [0, 1]
+    assert ids(rep.parts["engine"].mesh) == ids(engine_mesh(run.engine, 2)) == [2, 3]
+    assert rep.mesh == {"data": 1, "fsdp": 2, "tensor": 1} and rep.as_json()["engine_mesh"] == {"data": 1, "tensor": 2}
+
+
+def test_model_flops_and_parameters_are_the_models():
+    for extra in ([], ["model.tie_embeddings=false", "model.qkv_bias=true", "model.head_dim=32"]):
+        m = cfg_of(*extra).model
+        hd, counts = m.resolved_head_dim, flops.param_counts(m, 64)
+        matmul = m.n_layers * (m.d_model * hd * 2 * (m.n_heads + m.n_kv_heads) + 3 * m.d_model * m.d_ff)
+        bias = m.n_layers * hd * (m.n_heads + 2 * m.n_kv_heads) * m.qkv_bias
+        assert counts.matmul == matmul and counts.trunk == matmul + bias + 2 * m.n_layers * m.d_model
+        assert counts.total == counts.trunk + 64 * m.d_model * (2 - m.tie_embeddings) + m.d_model
+    cfg = cfg_of("learner.kl_coef=0.1", "learner.ppo_epochs=2")  # 2 updates of 3 passes, 2 reference forwards
+    rows, T, N, m = 16, 16, 8, cfg.model
+    per_pass = (2 * flops.param_counts(m, 64).matmul * rows * T + 2 * m.d_model * 64 * rows * N
+                + 2 * m.n_layers * m.n_heads * m.resolved_head_dim * T * T * rows)
+    assert sum(flops.step_flops(cfg, 64).values()) == pytest.approx((2 * 3 + 1 + 2) * per_pass)  # and pi_prox's
 
 
 @pytest.mark.slow
@@ -42,14 +72,14 @@ def test_cost_counts_every_loop_iteration(monkeypatch):
     # (layers, micro-batches, logit chunks) unrolled
     monkeypatch.setattr(Learner, "layer_unroll", staticmethod(lambda platform, n_layers=0: 1))  # scan layers, as on TPU
     cfg = cfg_of("learner.micro_batch_rows=8", "learner.logits_chunk=4", "learner.remat=block")
-    mesh = PL.mesh_for(jax.devices()[:4], cfg.mesh)
-    part = PL.learner_part(cfg, 64, mesh, PL.NOMINAL_CPU)
+    mesh = sharding.learner_mesh(jax.devices()[:4], cfg.mesh)
+    part = PL.learner_part(cfg, 64, mesh, chips.NOMINAL_CPU)
     _, _, _, _, lowered = PL._lower(cfg, 64, mesh, unroll=True)
-    flops, nbytes = PL._cost(lowered.compile())
-    assert part.flops == pytest.approx(flops, rel=0.05)
+    xla_flops, nbytes = PL._cost(lowered.compile())
+    assert part.flops == pytest.approx(xla_flops, rel=0.05)
     rolled = PL._cost(PL._lower(cfg, 64, mesh, unroll=False)[-1].compile())[0]
-    assert rolled < 0.7 * flops  # what XLA alone says of the scanned step
-    assert part.model_flops == pytest.approx(PL.model_flops(cfg, 64) / 4)
+    assert rolled < 0.7 * xla_flops  # what XLA alone says of the scanned step
+    assert part.model_flops == pytest.approx(sum(flops.step_flops(cfg, 64).values()) / 4)
 
 
 def test_not_fitting_exits_1_and_names_knobs(capsys):
@@ -74,6 +104,8 @@ def test_json_has_the_fields_and_estimates(capsys):
 @pytest.mark.parametrize("topology, extra, needle", [
     ("cpu:64", [], "only 4 CPU devices"),
     ("cpu:4", ["mesh.fsdp=3"], "mesh.data"),
+    ("cpu:4", ["mesh.engine_devices=1", "mesh.fsdp=1"], "over the 3 data-parallel shards"),
+    ("cpu:4", ["mesh.engine_devices=4"], "mesh.engine_devices=4"),
     ("cpu:4", ["model.vocab_size=0"], "model.vocab_size"),
 ])
 def test_bad_input_exits_2(topology, extra, needle, capsys):
@@ -140,6 +172,30 @@ def test_tpu_multi_step_decode_writes_the_cache_once_per_call():
     kv = 2 * 2 * 16 * 2 * 1024 * 64 * 2  # k and v, 2 layers, 16 slots per chip, bf16
     assert per_step[1] > 4 * kv  # the per-token relayout this guards against
     assert per_step[8] < per_step[1] / 2.5, per_step
+
+
+def test_tpu_plan_and_run_lay_the_torus_out_alike():
+    # Compiled for a TPU (needs libtpu): 4 hosts of 4 chips. Tensor groups are lines of
+    # neighbouring chips (host order alone would not make them), and the plan compiles the
+    # meshes the run's first process builds: the learner over every host, its engine over its own.
+    from async_rl.engine import engine_mesh
+    try:
+        devices, _ = PL.topology("v5e:4x4")
+    except C.ConfigError as e:
+        pytest.skip(str(e))
+    cfg = cfg_of("mesh.fsdp=1", "mesh.tensor=4", "engine.tensor=4", "rollout.prompts_per_step=8", "model.n_layers=1")
+    run = sharding.split_devices(devices, cfg.mesh, process=0)
+    rep = PL.plan(cfg, "v5e:4x4", cost=False)
+    assert ids(rep.parts["learner"].mesh) == ids(run.learner) and run.learner.shape["tensor"] == 4
+    assert ids(rep.parts["engine"].mesh) == ids(engine_mesh(run.engine, 4))
+    assert {d.process_index for d in rep.parts["engine"].mesh.devices.flat} == {0}
+    hops = lambda a, b: sum(abs(i - j) for i, j in zip(a.coords, b.coords))
+    assert all(hops(g[i], g[i + 1]) == 1 for g in run.learner.devices.reshape(-1, 4) for i in range(3))
+    # over two slices, each holds a block of the data axis
+    from jax.experimental import topologies
+    two = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4", num_slices=2).devices
+    grid = sharding.learner_mesh(two, C.MeshConfig(fsdp=4, tensor=2)).devices
+    assert [{d.slice_index for d in grid[i].flat} for i in range(2)] == [{0}, {1}]
 
 
 @pytest.mark.soak  # two processes and a TPU compile: `make soak` runs it once `make plan-ci` put libtpu in .venv

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from async_rl import cli, plan_gpu
+from async_rl import chips, cli
 from async_rl import config as C
 from async_rl import plan as PL
 
@@ -23,7 +23,7 @@ def test_gpu_topologies_have_their_devices_and_published_figures():
     assert (chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth) == (80e9, 989e12, 3.35e12)
     for name in ("h200:8", "a100-80g:8", "b200:8"):
         devs, chip = PL.topology(name)
-        assert len(devs) == 8 and chip.name == plan_gpu.GPUS[name.split(":")[0]].name
+        assert len(devs) == 8 and chip.name == chips.GPUS[name.split(":")[0]].name
 
 
 def test_gpu_program_cost_comes_from_its_hlo():

@@ -77,11 +77,11 @@ def test_disjoint_engine_devices_and_kl(tmp_path):
 def test_a_model_too_large_for_memory_is_refused_at_start(tmp_path):
     from helpers import cfg
 
-    from async_rl import memory
+    from async_rl import flops, memory
     from async_rl.config import ConfigError
     from async_rl.train import train
     with pytest.raises(ConfigError, match=r"the run needs at least .* GiB .*run\.memory_check=false"):
         train(cfg(tmp_path, "model.d_model=65536", "model.n_layers=64", "model.d_ff=131072"))
     assert not (tmp_path / "lineage.jsonl").exists()
     small = cfg(tmp_path, "model.d_model=64", "model.n_layers=2", "model.d_ff=256")
-    assert memory.param_count(small, 16) < 200_000 and sum(memory.estimate(small, 16).values()) < 2**24
+    assert flops.param_count(small.model, 16) < 200_000 and sum(memory.estimate(small, 16).values()) < 2**24
