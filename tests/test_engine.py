@@ -213,6 +213,8 @@ def test_generate_steps_equals_single_steps(model, prompts, devices, layout):
         got_l.append(l)
     np.testing.assert_array_equal(np.concatenate(got_t), np.stack(toks))
     np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)
+    with pytest.raises(ValueError, match="steps=2"):  # one token or K: the two compiled decodes
+        many.generate_steps(pk, sk, 2)
 
 
 @pytest.mark.parametrize("k,layout", [(1, "stacked"), (4, "stacked"), (4, "recent")])
