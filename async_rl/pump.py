@@ -232,6 +232,7 @@ class Pump:
             self._to_reward.put((finished, version))
 
     def collected(self, calls: int) -> None:
+        """Fault points (`faults`): a slowed chunk; a SIGKILL after the n-th, before it is recorded."""
         faults.delay("generate", self.rollout.steps_per_call)
         faults.point("generate", calls, self._progress)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -48,8 +48,7 @@ class Fill:
     forget: Sequence[int] = ()  # ordinals passed to `Rollout.forget` once these starts are in
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):  # a tuple: one is built per live slot per chunk
     """One slot's share of a recorded chunk."""
     slot: int  # the slot the tokens came from
     occupant: Any  # the source's handle of the sample (from `Fill.occupants`)
@@ -151,7 +150,7 @@ class Scheduler:
         mask_S = np.asarray(mask)
         take_S, ended_S = chunk_ends(chunk.tokens_KxS, np.where(mask_S, self._room_S, 0), self.stops)
         self._room_S -= np.where(mask_S, take_S, 0)
-        self._ended = {slot: occ for slot, occ in enumerate(live) if occ is not None and ended_S[slot]}
+        self._ended = {slot: live[slot] for slot in np.flatnonzero(ended_S & mask_S).tolist()}
         return _Fetched(chunk, live, take_S, ended_S)
 
     def _record(self, f: _Fetched) -> None:
@@ -159,11 +158,12 @@ class Scheduler:
         held only for `Source.record` and freeing the slots whose samples ended."""
         c = f.chunk
         toks_SxK, lps_SxK = c.tokens_KxS.T.tolist(), c.logprobs_KxS.T.tolist()  # one conversion, not one per slot
-        vers_SxK = None if c.versions_KxS is None else c.versions_KxS.T.tolist()
-        take, ended = f.take_S.tolist(), f.ended_S.tolist()
-        pieces = [Piece(slot, occ, toks_SxK[slot][:take[slot]], lps_SxK[slot][:take[slot]],
-                        [c.version] * take[slot] if vers_SxK is None else vers_SxK[slot][:take[slot]], ended[slot])
-                  for slot, occ in enumerate(f.live) if occ is not None]
+        v = c.version
+        vers_SxK = [None] * len(f.live) if c.versions_KxS is None else c.versions_KxS.T.tolist()
+        pieces = [Piece(slot, occ, t[:n], lp[:n], [v] * n if vs is None else vs[:n], e)
+                  for slot, (occ, t, lp, vs, n, e) in enumerate(zip(f.live, toks_SxK, lps_SxK, vers_SxK,
+                                                                    f.take_S.tolist(), f.ended_S.tolist()))
+                  if occ is not None]
         with self.lock:
             self.source.record(pieces, c.version)
             for p in pieces:
