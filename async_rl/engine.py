@@ -1,14 +1,16 @@
-"""Generation engine with JetStream's Engine API (prefill / insert / generate over KV slots).
+"""Generation engine over KV slots: batched prefill / insert / generate / free.
 
 Owns: compiled prefill (batched, at bucket widths), insert, generate (per decode window)
 and free over a fixed number of KV-cache slots; the engine mesh (data x tensor) and the
 weights' engine layout (compute dtype, split by logical axes); token sampling
 (temperature, top-k, top-p) with per-token keys derived from (seed, ordinal, sample,
-completion index); fp32 behaviour logprobs; swapping weights without recompiling. Does
-not own: when a sample is finished (the caller decides: EOS or N tokens; `decoding` holds
-the continuous-batching driver and the reference decoder), rewards, the ledger,
-policy-version bookkeeping beyond remembering the version of the loaded weights,
-tokenisation.
+completion index); fp32 behaviour logprobs; swapping weights without recompiling. Its API
+is the batched calls (`prefill_many`, `insert_many`, `generate_steps_async`, `free_many`);
+JetStream's single-row Engine API (`prefill`, `insert`, `generate`, `free`) wraps them.
+Does not own: when a sample is finished (the caller decides: EOS or N tokens; the slot
+scheduler runs the continuous-batching loop through `rollout.BuiltinRollout`), rewards,
+the ledger, policy-version bookkeeping beyond remembering the version of the loaded
+weights, tokenisation.
 
 Logprob convention: the logprob returned for a token is `log_softmax(logits / T)[token]`
 in fp32 (plain `log_softmax(logits)` when T = 0). Top-k / top-p truncation changes
@@ -236,8 +238,9 @@ class Engine:
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
     def _decoder(self, window: int, multi: bool, last_forward: bool = True):
-        """The compiled decode for one window (a bounded set: `self.windows`), with or without
-        the forward pass after its last token (`_dispatch`)."""
+        """The compiled decode of one token or of `steps_per_call` (`multi`) for one window (a
+        bounded set: `self.windows`), with or without the forward pass after its last token
+        (`generate_steps_async`)."""
         key = (window, multi, last_forward)
         if key not in self._decoders:
             body = self._generate_steps_impl if multi else self._generate_one_impl
@@ -342,21 +345,17 @@ class Engine:
         self.params = params if self._placed(params) else self.load_params(params)
         self.version = version
 
-    # ---- API -----------------------------------------------------------------------
+    # ---- API: the batched calls --------------------------------------------------------
     def init_decode_state(self) -> DecodeState:
         s = self.max_concurrent_decodes
         return DecodeState(self._init(), SlotMirror(np.zeros(s, np.int64), np.zeros(s, bool)))
 
-    def prefill(self, params, prompt_tokens: np.ndarray, completion: np.ndarray | None = None) -> Prefix:
-        """Prefills one sequence: the prompt and an optional completion prefix of k < N
-        tokens (a saved half-finished sample continues without regenerating). Its width is
-        the buckets of its own lengths, so the result depends on this sequence alone."""
-        return self.prefill_many(params, [(prompt_tokens, completion)])
-
     def prefill_many(self, params, seqs) -> Prefix:
         """Prefills several (prompt, completion prefix or None) sequences in one call, at
         the width of a prompt bucket plus a completion bucket (powers of two, `ladder`);
-        rows are padded to a power of two. Insert row i with `insert(..., row=i)`."""
+        rows are padded to a power of two. A completion prefix of k < N tokens lets a saved
+        half-finished sample continue without regenerating; a sequence prefilled alone gets
+        the buckets of its own lengths, so its result depends on it alone."""
         rows = [self._check_seq(p, c) for p, c in seqs]
         if not rows:
             raise ValueError("prefill_many: no sequences")
@@ -386,15 +385,10 @@ class Engine:
                              f"(max_new_tokens={self.max_new_tokens})")
         return prompt, done
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, ordinal: int,
-               sample: int, row: int = 0) -> DecodeState:
-        """Row `row` of `prefix` into `slot` (its columns outside the prefix are never read
-        before the slot writes them)."""
-        return self.insert_many(prefix, decode_state, [(slot, row, ordinal, sample)])
-
     def insert_many(self, prefix: Prefix, decode_state: DecodeState, todo) -> DecodeState:
         """Several (slot, row, ordinal, sample) of one prefix in one call (distinct slots):
-        a copy per row, so the result is the same as inserting them one at a time."""
+        a copy per row, so the result is the same as inserting them one at a time. A slot's
+        columns outside the prefix are never read before the slot writes them."""
         todo = [tuple(int(v) for v in t) for t in todo]
         if not todo:
             return decode_state
@@ -407,6 +401,41 @@ class Engine:
         for slot, row, _, _ in todo:
             host.cols_S[slot], host.active_S[slot] = prefix.next_cols_B[row], True
         return DecodeState(st, host)
+
+    def generate_steps_async(self, params, decode_state: DecodeState, steps: int | None = None
+                             ) -> tuple[DecodeState, jax.Array, jax.Array]:
+        """K = `steps` tokens for every slot in one dispatch, without waiting: (state, tokens_KxS,
+        logprobs_KxS) as device arrays still being computed, their copy to the host already
+        started. `steps`: `steps_per_call` (the default) or 1, the two compiled decodes. The
+        caller records the previous chunk meanwhile and fetches these later (`np.asarray`), so
+        the host's per-token work overlaps the device's next K steps. Tokens a slot produces
+        after its stop token (or its N-th token) are garbage the caller drops; a finished slot
+        idles for the rest of the call."""
+        steps = steps or self.steps_per_call
+        if steps not in (1, self.steps_per_call):
+            raise ValueError(f"generate_steps_async: steps={steps}, not 1 or steps_per_call={self.steps_per_call}")
+        fn = self._decoder(self.decode_window(decode_state, steps), steps > 1, self.last_forward(decode_state, steps))
+        host = decode_state.host.copy()
+        state, tokens_KxS, logprobs_KxS = fn(params, decode_state.arrays)
+        host.cols_S[host.active_S] += steps
+        for x in (tokens_KxS, logprobs_KxS):
+            x.copy_to_host_async()
+        return DecodeState(state, host), tokens_KxS, logprobs_KxS
+
+    def free_many(self, decode_state: DecodeState, slots) -> DecodeState:
+        """Marks slots inactive (they stop advancing and leave the decode window), in one call."""
+        mask_S = np.zeros(self.max_concurrent_decodes, bool)
+        mask_S[list(slots)] = True
+        if not mask_S.any():
+            return decode_state
+        host = _checked(decode_state, DecodeState).host.copy()
+        st = self._free(decode_state.arrays, mask_S)
+        host.active_S[mask_S] = False
+        return DecodeState(st, host)
+
+    def active_slots(self, decode_state: DecodeState) -> np.ndarray:
+        """The slots the host mirror holds active (bool [S], a copy)."""
+        return _checked(decode_state, DecodeState).host.active_S.copy()
 
     def decode_window(self, decode_state: DecodeState, steps: int = 1) -> int:
         """Cache columns the next `steps` decode steps read: the smallest of `self.windows`
@@ -427,60 +456,26 @@ class Engine:
         cols, active = host.cols_S, host.active_S
         return bool((cols[active] + steps < self.width).any())
 
-    def _dispatch(self, params, decode_state: DecodeState, steps: int):
-        """Dispatches `steps` decode steps (asynchronously); tokens and logprobs [steps, S] stay
-        on device."""
-        fn = self._decoder(self.decode_window(decode_state, steps), steps > 1, self.last_forward(decode_state, steps))
-        host = decode_state.host.copy()
-        state, tokens, logprobs = fn(params, decode_state.arrays)
-        host.cols_S[host.active_S] += steps
-        return DecodeState(state, host), tokens, logprobs
+    # ---- JetStream's single-row Engine API: each a batched call of one ----------------------
+    def prefill(self, params, prompt_tokens: np.ndarray, completion: np.ndarray | None = None) -> Prefix:
+        return self.prefill_many(params, [(prompt_tokens, completion)])
 
-    def _decode(self, params, decode_state: DecodeState, steps: int):
-        state, tokens, logprobs = self._dispatch(params, decode_state, steps)
-        tokens, logprobs = jax.device_get((tokens, logprobs))
-        return state, np.asarray(tokens), np.asarray(logprobs)
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, ordinal: int,
+               sample: int, row: int = 0) -> DecodeState:
+        return self.insert_many(prefix, decode_state, [(slot, row, ordinal, sample)])
+
+    def generate_steps(self, params, decode_state: DecodeState, steps: int | None = None):
+        """`generate_steps_async`, fetched: (state, tokens_KxS, logprobs_KxS) on the host."""
+        state, tokens_KxS, logprobs_KxS = self.generate_steps_async(params, decode_state, steps)
+        return state, np.asarray(tokens_KxS), np.asarray(logprobs_KxS)
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
         """One token for every slot: (state, tokens_S int32, logprobs_S fp32) on the host."""
-        state, tokens_1xS, logprobs_1xS = self._decode(params, decode_state, 1)
+        state, tokens_1xS, logprobs_1xS = self.generate_steps(params, decode_state, 1)
         return state, tokens_1xS[0], logprobs_1xS[0]
-
-    def generate_steps(self, params, decode_state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
-        """`steps_per_call` tokens for every slot in one call: (state, tokens_KxS, logprobs_KxS).
-
-        One dispatch and one host sync per K tokens. Tokens a slot produces after its stop
-        token (or its N-th token) are garbage the caller drops; the slot is refilled after
-        the call, so a finished slot idles for the rest of it."""
-        return self._decode(params, decode_state, self.steps_per_call)
-
-    def generate_steps_async(self, params, decode_state: DecodeState) -> tuple[DecodeState, jax.Array, jax.Array]:
-        """`generate_steps` without waiting: (state, tokens_KxS, logprobs_KxS) as device arrays
-        still being computed (dispatch is asynchronous), their copy to the host already
-        started. The caller records the previous chunk meanwhile and fetches these later
-        (`np.asarray`), so the host's per-token work overlaps the device's next K steps."""
-        state, tokens_KxS, logprobs_KxS = self._dispatch(params, decode_state, self.steps_per_call)
-        for x in (tokens_KxS, logprobs_KxS):
-            x.copy_to_host_async()
-        return state, tokens_KxS, logprobs_KxS
-
-    def active_slots(self, decode_state: DecodeState) -> np.ndarray:
-        """The slots the host mirror holds active (bool [S], a copy)."""
-        return _checked(decode_state, DecodeState).host.active_S.copy()
 
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self.free_many(decode_state, [slot])
-
-    def free_many(self, decode_state: DecodeState, slots) -> DecodeState:
-        """Marks slots inactive (they stop advancing and leave the decode window), in one call."""
-        mask_S = np.zeros(self.max_concurrent_decodes, bool)
-        mask_S[list(slots)] = True
-        if not mask_S.any():
-            return decode_state
-        host = _checked(decode_state, DecodeState).host.copy()
-        st = self._free(decode_state.arrays, mask_S)
-        host.active_S[mask_S] = False
-        return DecodeState(st, host)
 
     def compile_counts(self) -> dict[str, int]:
         """Compiled executables per entry point: prefill and insert one per bucket shape,

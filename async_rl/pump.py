@@ -6,8 +6,10 @@ samples first, then pending groups, then new draws, as the sampler's gate allows
 recording every generated token with its behaviour logprob and policy version,
 rewarding finished samples (on a thread of its own, so reward code never holds up the
 engine), swapping in published weights, and pausing for a deterministic checkpoint cut.
-Does not own: which groups train when (sampler), the weights (learner publishes them),
-or saving (train/checkpoint).
+The pump is a `scheduler.Source`: the slot scheduler runs the overlapped chunk loop and
+asks it what to start (`fill`) and hands it what was generated (`record`).
+Does not own: the chunk loop or the slot table (scheduler), which groups train when
+(sampler), the weights (learner publishes them), or saving (train/checkpoint).
 """
 
 from __future__ import annotations
@@ -21,22 +23,19 @@ import jax
 import numpy as np
 
 from . import faults, signals
-from .decoding import chunk_ends
 from .ledger import Group, Ledger, Sample, State
 from .rewards import as_real
 from .rollout import BuiltinRollout, Rollout, Start
+from .scheduler import Fill, Piece, Scheduler, SlotStats
 from .tokenizer import completion_text
 
 
 @dataclass
-class PumpStats:
-    busy_s: float = 0.0  # time inside engine calls
+class PumpStats(SlotStats):  # busy_s and calls: the scheduler's
     idle_s: float = 0.0  # time with no slot in use and nothing allowed to start
     tokens: int = 0  # tokens generated (kept in the ledger)
-    prefills: int = 0  # sequences prefilled
     swaps: int = 0
     swap_s: float = 0.0  # time loading published weights into the rollout backend
-    calls: int = 0  # engine generate calls
 
 
 class Pump:
@@ -52,7 +51,6 @@ class Pump:
         # the backend that generates: a `Rollout`, or the built-in engine behind its adapter
         self.rollout: Rollout = engine if isinstance(engine, Rollout) else BuiltinRollout(
             engine, params, version, deterministic=deterministic, prefill_rows=prefill_rows)
-        self.slots: list[tuple[Group, int] | None] = [None] * self.rollout.capacity
         if deterministic and not isinstance(self.rollout, BuiltinRollout):
             raise ValueError("run.determinism: only the built-in engine is deterministic")
         self.published: dict[int, object] = {version: params}
@@ -63,11 +61,12 @@ class Pump:
         self.latest = version  # newest published
         self.params = params
         self.stats = PumpStats()
+        # the chunk loop; a slot holds (group, sample index) until that sample's last tokens are recorded
+        self.scheduler = Scheduler(self.rollout, self, self._stops, lock=self.ledger.changed, stats=self.stats)
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
         self._shared: set[int] = set()  # ordinals whose prompt the rollout may share with later starts
-        self._ended: dict[int, tuple] = {}  # slot -> its occupant that ended in the fetched, unrecorded chunk
         self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
         # wakes the pump the moment published weights are computed (it would otherwise find
         # out at its next poll, a delay on the critical path of every synchronous step)
@@ -178,51 +177,64 @@ class Pump:
     # ---- the loop (pump thread) ------------------------------------------------------------
 
     def _run(self) -> None:
-        """One chunk of `engine.steps_per_call` tokens per loop. After a chunk is fetched, only
-        its ends are found (vectorised) before the freed slots are refilled and the next
-        chunk dispatched; the tokens are recorded in the ledger while the device computes it.
-        Swaps and cuts need every slot free, and a slot is freed only when its sample's last
+        """The slot scheduler's loop (`scheduler.Scheduler.run`) with the pump as its source,
+        one chunk of `engine.steps_per_call` tokens per turn, until `stop`. Swaps and cuts
+        need every slot free, and the scheduler frees a slot only when its sample's last
         tokens are recorded, so no chunk is half-recorded when weights change or a cut is taken."""
-        fetched = None  # the last chunk on the host, ends found, not yet recorded
         try:
             self._reward_backlog()
-            while not self._stop.is_set():
-                with self.ledger.changed:
-                    self._maybe_swap()
-                    if self.journal is not None and self.journal.waits:
-                        self.journal.apply(self.latest)
-                    picks = self._pick()
-                    if not picks and not any(self.slots):
-                        if self.journal is not None and self.journal.waits:
-                            self.journal.idle(self.latest, self.sampler.pps)
-                        t0 = time.perf_counter()
-                        self.ledger.changed.wait(0.05)
-                        self.stats.idle_s += time.perf_counter() - t0
-                        continue
-                t0 = time.perf_counter()
-                self._insert(picks)
-                live = [None if occ is None or self._ended.get(slot) is occ else occ
-                        for slot, occ in enumerate(self.slots)]
-                chunk = None
-                if any(live):
-                    chunk = (self.rollout.step([occ is not None for occ in live]), live)
-                self.stats.busy_s += time.perf_counter() - t0
-                if fetched is not None:
-                    self._record(*fetched)  # meanwhile the device computes `chunk`
-                    fetched = None
-                if chunk is not None:
-                    t0 = time.perf_counter()
-                    fetched = self._fetch(*chunk)
-                    faults.delay("generate", self.rollout.steps_per_call)
-                    self.stats.busy_s += time.perf_counter() - t0
-                    self.stats.calls += 1
-                    faults.point("generate", self.stats.calls, self._progress)
-            if fetched is not None:
-                self._record(*fetched)
+            self.scheduler.run(self._stop.is_set)
         except BaseException as e:  # surfaced to the learner, which stops the run
             self.error = e
             with self.ledger.changed:
                 self.ledger.changed.notify_all()
+
+    @property
+    def slots(self) -> list:
+        """The scheduler's slot table: (group, sample index) or None per slot."""
+        return self.scheduler.slots
+
+    # ---- the scheduler's source (pump thread; fill and record under the lock) -------------
+
+    def fill(self, free: list[int], busy: bool) -> Fill:
+        """Between a collect and the next step: swap in published weights, take back journal
+        records, then pick samples for the `free` slots. With nothing to start and no slot in
+        use, waits a moment for a change (the scheduler asks again)."""
+        self._maybe_swap()
+        if self.journal is not None and self.journal.waits:
+            self.journal.apply(self.latest)
+        picks = self._pick(free)
+        if not picks and not busy:
+            if self.journal is not None and self.journal.waits:
+                self.journal.idle(self.latest, self.sampler.pps)
+            t0 = time.perf_counter()
+            self.ledger.changed.wait(0.05)
+            self.stats.idle_s += time.perf_counter() - t0
+            return Fill()
+        return self._starts(picks)
+
+    def record(self, pieces: list[Piece], version: int) -> None:
+        """Appends a chunk's tokens, logprobs and versions to their samples (the lists were
+        built outside the lock) and queues the samples that ended for their rewards."""
+        finished: list[tuple[Group, Sample]] = []
+        for p in pieces:
+            g, si = p.occupant
+            s = g.samples[si]
+            s.tokens += p.tokens
+            s.logprobs += p.logprobs
+            s.versions += p.versions
+            self.stats.tokens += len(p.tokens)
+            if p.ended:
+                s.done, s.in_engine = True, False
+                finished.append((g, s))
+        self.ledger.changed.notify_all()
+        if finished:
+            self._to_reward.put((finished, version))
+
+    def collected(self, calls: int) -> None:
+        """Fault points (`faults`): a slowed chunk; a SIGKILL after the n-th, before it is recorded."""
+        faults.delay("generate", self.rollout.steps_per_call)
+        faults.point("generate", calls, self._progress)
 
     def _maybe_swap(self) -> None:
         if self.deterministic:
@@ -297,10 +309,8 @@ class Pump:
             return False
         return not self.deterministic or self._cut_below is None or self._required_for_next_draw() < self._cut_below
 
-    def _pick(self) -> list[tuple[int, Group, int]]:
+    def _pick(self, free: list[int]) -> list[tuple[int, Group, int]]:
         """(slot, group, sample) assignments for free slots; marks them in_engine (under the lock)."""
-        # a slot whose sample ended in the fetched chunk is refilled before that chunk is recorded
-        free = [i for i, s in enumerate(self.slots) if s is None or self._ended.get(i) is s]
         if not free:
             return []
         if not self.partial and not self.deterministic and self._newest_ready() > self.version:
@@ -333,8 +343,6 @@ class Pump:
                 take(g)
             else:
                 break
-        for slot, g, si in picks:
-            self.slots[slot] = (g, si)
         return picks
 
     def _draw(self) -> Group | None:
@@ -348,62 +356,21 @@ class Pump:
             self.journal.claim(g, self.latest)
         return g
 
-    def _insert(self, picks) -> None:
-        """Starts the picked samples in their slots: continuations from prompt + saved tokens
-        with the remaining budget (none is generated twice)."""
-        starts = []
+    def _starts(self, picks) -> Fill:
+        """The picked samples' starts: continuations from prompt + saved tokens with the
+        remaining budget (none is generated twice); and the groups whose prompt no later
+        start shares, every sample started or done."""
+        starts, occupants = [], []
         for slot, g, si in picks:
             toks = tuple(g.samples[si].tokens)
             starts.append(Start(slot, g.ordinal, si, g.prompt_tokens, toks, self.N - len(toks)))
+            occupants.append((g, si))
             if not toks:
                 self._shared.add(g.ordinal)
-        if starts:
-            self.rollout.start(starts)
-            self.stats.prefills = getattr(self.rollout, "prefills", self.stats.prefills)
-        with self.ledger.lock:
-            done = [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._shared)
-                    if g is None or all(s.started or s.done for s in g.samples)]
-        if done:
-            self.rollout.forget(done)
-            self._shared.difference_update(done)
-
-    def _fetch(self, pending, live: list) -> tuple:
-        """Waits for a chunk and finds where each live sample ends in it (no ledger change).
-        Only the pump appends to a sample's tokens, so their count is read without the lock."""
-        chunk = self.rollout.collect(pending)
-        toks_KxS, lps_KxS, version = chunk.tokens_KxS, chunk.logprobs_KxS, chunk.version
-        room_S = np.asarray([0 if occ is None else self.N - len(occ[0].samples[occ[1]].tokens) for occ in live])
-        take_S, ended_S = chunk_ends(toks_KxS, room_S, self._stops)
-        self._ended = {slot: occ for slot, occ in enumerate(live) if occ is not None and ended_S[slot]}
-        return toks_KxS, lps_KxS, live, version, take_S, ended_S, chunk.versions_KxS
-
-    def _record(self, toks_KxS, lps_KxS, live: list, version: int, take_S, ended_S, versions_KxS=None) -> None:
-        """Appends a fetched chunk's tokens, logprobs and version to their samples: the lists
-        are built outside the lock, which is held only to commit them."""
-        toks_SxK, lps_SxK = toks_KxS.T.tolist(), lps_KxS.T.tolist()  # one conversion, not one per slot
-        take, ended_ = take_S.tolist(), ended_S.tolist()
-        vers_SxK = None if versions_KxS is None else versions_KxS.T.tolist()
-        rows = [(slot, occ, toks_SxK[slot][:take[slot]], lps_SxK[slot][:take[slot]],
-                 [version] * take[slot] if vers_SxK is None else vers_SxK[slot][:take[slot]],
-                 bool(ended_[slot])) for slot, occ in enumerate(live) if occ is not None]
-        finished: list[tuple[Group, Sample]] = []
-        with self.ledger.changed:
-            for slot, occ, toks, lps, versions, ended in rows:
-                g, si = occ
-                s = g.samples[si]
-                s.tokens += toks
-                s.logprobs += lps
-                s.versions += versions
-                self.stats.tokens += len(toks)
-                if ended:
-                    s.done, s.in_engine = True, False
-                    if self.slots[slot] is occ:  # else refilled already, before this record
-                        self.slots[slot] = None
-                    finished.append((g, s))
-            self._ended = {}
-            self.ledger.changed.notify_all()
-        if finished:
-            self._to_reward.put((finished, version))
+        done = [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._shared)
+                if g is None or all(s.started or s.done for s in g.samples)]
+        self._shared.difference_update(done)
+        return Fill(starts, occupants, done)
 
     def _reward_loop(self) -> None:
         """The reward thread: rewards each queued batch of finished samples, in order."""

@@ -1,10 +1,11 @@
-"""The rollout interface the pump drives, and its adapter for the built-in engine.
+"""The rollout interface the slot scheduler drives, and its adapter for the built-in engine.
 
-Owns: what a generation backend must offer the pump (start samples in slots, generate a
-chunk of tokens for every live slot with behaviour logprobs and the weights version that
-made them, stop slots, swap weights between chunks, report capacity), and `BuiltinRollout`,
-which maps it onto `engine.Engine` (batched prefills shared by a prompt's samples,
-asynchronous chunks). Does not own: which samples go where (pump), the ledger, rewards.
+Owns: what a generation backend must offer the slot scheduler, and so the pump, evaluation
+and the benchmarks (start samples in slots, generate a chunk of tokens for every live slot
+with behaviour logprobs and the weights version that made them, stop slots, swap weights
+between chunks, report capacity), and `BuiltinRollout`, which maps it onto the engine's
+batched calls (batched prefills shared by a prompt's samples, asynchronous chunks). Does
+not own: the chunk loop (scheduler), which samples go where (pump), the ledger, rewards.
 
 Call order, all from one thread: `start` and `stop` for slots, `step` dispatches a chunk,
 `collect` waits for it; `swap` only between a `collect` and the next `step`, and a chunk

@@ -21,13 +21,16 @@ Full recompute (second table): recomputes the whole fixed-width row (P + N colum
 in the shared layout, so it compiles once) for every new token, batched over the same
 sequences. Its step cost does not depend on how many tokens exist yet, so timing a few
 steps and multiplying is exact up to timer noise; the table says when it was extrapolated.
+The engine's rows: one sequence per slot, N tokens each, through the slot scheduler as the
+pump runs it (chunks of `engine.steps_per_call`, each dispatched before the previous one's
+tokens are recorded); decode counts the chunks after the first (which holds the prefill).
 
 Decode vs the HBM roofline (third table): every slot holds a prompt of P tokens and
-decodes N more, `engine.steps_per_call` per call, each call dispatched before the previous
-one's tokens are fetched (as the pump runs it); prefill is not timed. The roofline is the
-bytes a decode step must read, the weights (in the compute dtype) plus the KV cache of the
-tokens each slot holds, over the chip's published HBM bandwidth (`--hbm-gbps` where none
-is known, e.g. on CPU), summed over the N steps. Target on an accelerator: >= 50% of it.
+decodes, `engine.steps_per_call` tokens per chunk, through the slot scheduler; the first
+chunk (with the prefill) is not timed. The roofline is the bytes a decode step must read,
+the weights (in the compute dtype) plus the KV cache of the tokens each slot holds, over
+the chip's published HBM bandwidth (`--hbm-gbps` where none is known, e.g. on CPU), summed
+over the timed steps. Target on an accelerator: >= 50% of it.
 
     python bench/engine.py                      # small preset, 32 slots, up to 128 tokens
     python bench/engine.py --config configs/tiny.yaml --new-tokens 64 --waves 8
@@ -57,7 +60,7 @@ import common  # noqa: E402
 
 from async_rl import chips
 from async_rl import config as cfg_lib
-from async_rl.decoding import generate_all
+from async_rl.decoding import Requests, generate_all
 from async_rl.engine import Engine, sample_token, token_key
 from async_rl.model import Transformer, layout
 from async_rl.rollout import BuiltinRollout
@@ -106,22 +109,25 @@ def parse_args():
 LAYOUTS = {"stacked": dict(recent=False), "recent": dict(recent=True)}
 
 
-def block(x):
-    return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+class Timed(Requests):
+    """`generate_all`'s source for one sample per prompt, `tokens` each, noting when each
+    chunk reaches the host (`at`; the first one holds the prefill)."""
+
+    def __init__(self, prompts, tokens: int):
+        super().__init__(prompts, samples=1, limits=[[tokens]] * len(prompts))
+        self.at: list[float] = []
+
+    def collected(self, calls: int) -> None:
+        self.at.append(time.perf_counter())
 
 
-def run_engine(eng: Engine, params, prompts, new_tokens: int):
-    """Prefill + insert every sequence, then `new_tokens` generate steps; returns timings."""
-    state = block(eng.init_decode_state())
+def run_engine(eng: Engine, params, prompts, new_tokens: int, prefill_rows: int = 32):
+    """Every prompt into a slot, `new_tokens` each, through the slot scheduler; returns
+    (seconds to the first chunk on the host, seconds from it to the last, chunks)."""
+    req = Timed(prompts, new_tokens)
     t0 = time.perf_counter()
-    for slot, prompt in enumerate(prompts):
-        state = eng.insert(eng.prefill(params, prompt), state, slot, ordinal=slot, sample=0)
-    block(state)
-    t1 = time.perf_counter()
-    for _ in range(new_tokens):
-        state, _, _ = eng.generate(params, state)  # returns host arrays: each step is synced
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    req.run(BuiltinRollout(eng, params, 0, prefill_rows=prefill_rows), ())
+    return req.at[0] - t0, req.at[-1] - req.at[0], len(req.at)
 
 
 def naive_step_fn(graphdef, seed: int):
@@ -303,53 +309,48 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
 
 
 def recompute(args, eng: Engine, ep, graphdef, prompts, p: int, n_new: int, s: int) -> None:
-    """The second table: engine decode steps vs recomputing the whole row per token."""
-    prefill_s, decode_s = run_engine(eng, ep, prompts, n_new)
+    """The second table: engine decode vs recomputing the whole row per token."""
+    k = eng.steps_per_call
+    if n_new <= k:
+        print(f"\nvs full recompute: skipped (--new-tokens {n_new} fits in one chunk of K={k}: no decode to time)")
+        return
+    run_engine(eng, ep, prompts, n_new)  # compiles the batched prefills these prompts meet
+    first_s, decode_s, _ = min((run_engine(eng, ep, prompts, n_new) for _ in range(args.repeats)),
+                              key=lambda r: r[0] + r[1])
     eng_counts = eng.compile_counts()
     steps = min(args.naive_steps or n_new, n_new - 1)
     naive_compile, naive_step, naive_count = run_naive(graphdef, ep, prompts, p, n_new, steps, args.seed)
     tokens = s * n_new
-    eng_tps, eng_e2e_tps, naive_tps = tokens / decode_s, tokens / (decode_s + prefill_s), s / naive_step
+    eng_tps, eng_e2e_tps, naive_tps = s * (n_new - k) / decode_s, tokens / (decode_s + first_s), s / naive_step
     extrap = "measured" if steps >= n_new - 1 else f"{steps} steps timed, x{n_new} extrapolated"
     print(f"\nvs full recompute: {s} sequences x {n_new} new tokens (no EOS stop), row width {p + n_new}; "
           f"naive compile {naive_compile:.1f} s (incl. first step)")
     rows = [
-        ("engine (KV cache), decode steps, one sync per token", f"{eng_tps:,.0f}", f"{decode_s:.2f} s", "measured",
-         f"{eng_counts['generate']}"),
-        ("engine incl. prefill+insert", f"{eng_e2e_tps:,.0f}", f"{decode_s + prefill_s:.2f} s", "measured",
+        (f"engine (KV cache), decode chunks of K={k} after the first", f"{eng_tps:,.0f}", f"{decode_s:.2f} s",
+         "measured", f"{eng_counts['generate']}"),
+        ("engine incl. prefill+insert", f"{eng_e2e_tps:,.0f}", f"{decode_s + first_s:.2f} s", "measured",
          f"prefill {eng_counts['prefill']}, insert {eng_counts['insert']}"),
         ("naive full recompute, batched", f"{naive_tps:,.1f}", f"{naive_step * n_new:.1f} s", extrap,
          f"{naive_count}"),
     ]
-    head = ("path", "tokens/s", f"{tokens} tok", "timing", "compilations")
+    head = ("path", "tokens/s", "time", "timing", "compilations")
     common.print_table(list(head), [list(r) for r in rows], align="<" * len(head))
     print(f"speedup (engine decode vs naive full recompute): {eng_tps / naive_tps:,.1f}x   "
           f"(incl. prefill: {eng_e2e_tps / naive_tps:,.1f}x)   target >= 10x")
 
 
-def decode_wave(eng: Engine, ep, prompts, steps: int) -> float:
-    """Fills every slot (batched prefill, not timed), then decodes `steps` calls the way the
-    pump does: the next call is dispatched before the previous one's tokens are fetched."""
-    st = eng.init_decode_state()
-    for b0 in range(0, len(prompts), 16):
-        part = prompts[b0:b0 + 16]
-        pre = eng.prefill_many(ep, [(x, None) for x in part])
-        st = eng.insert_many(pre, st, [(b0 + r, r, b0 + r, 0) for r in range(len(part))])
-    block(st)
-    t0 = time.perf_counter()
-    prev = None
-    for _ in range(steps):
-        st, toks, lps = eng.generate_steps_async(ep, st)
-        if prev is not None:
-            np.asarray(prev[0]), np.asarray(prev[1])
-        prev = (toks, lps)
-    np.asarray(prev[0]), np.asarray(prev[1])
-    return time.perf_counter() - t0
+def decode_wave(eng: Engine, ep, prompts, calls: int) -> float:
+    """Every slot's sample through the slot scheduler (batched prefill) for `calls` + 1
+    chunks; seconds from the first chunk on the host (the prefill's) to the last."""
+    k = eng.steps_per_call
+    _, secs, chunks = run_engine(eng, ep, prompts, min((calls + 1) * k, eng.max_new_tokens), prefill_rows=16)
+    assert chunks == calls + 1, (chunks, calls)
+    return secs
 
 
 def roofline(args, eng: Engine, ep, model_cfg, rs, p: int, n_new: int, s: int, k: int) -> None:
     """The third table: decode tokens/s against (weights + live KV bytes) / HBM bandwidth."""
-    calls = max(1, (n_new - 1) // k)  # the last column stays inside the cache
+    calls = max(1, (n_new - 1) // k - 1)  # timed chunks after the first; the last column stays inside the cache
     prompts = [rs.randint(0, args.vocab, p).astype(np.int32) for _ in range(s)]
     decode_wave(eng, ep, prompts[:1] * s, calls)  # compiles every decode window the wave crosses
     secs = min(decode_wave(eng, ep, prompts, calls) for _ in range(args.repeats))
@@ -357,13 +358,13 @@ def roofline(args, eng: Engine, ep, model_cfg, rs, p: int, n_new: int, s: int, k
     weights = sum(x.nbytes for x in jax.tree.leaves(ep))
     per_col = s * model_cfg.n_layers * 2 * model_cfg.n_kv_heads * model_cfg.resolved_head_dim * jnp.dtype(
         model_cfg.dtype).itemsize  # k and v of one column in every slot and layer
-    kv = sum(per_col * (p + n + 1) for n in range(steps))  # columns held, plus the new one
+    kv = sum(per_col * (p + n + 1) for n in range(k, k + steps))  # columns held, plus the new one
     total = steps * weights + kv
     chip = chips.for_device(jax.devices()[0])
     bw = args.hbm_gbps * 1e9 or (chip.hbm_bandwidth if chip else 0.0)
     tps = s * steps / secs
     print(f"\ndecode vs HBM roofline: {s} slots x (prompt {p} + {steps} tokens), K={k}, {model_cfg.dtype}; "
-          f"fastest of {args.repeats} waves, prefill not timed")
+          f"fastest of {args.repeats} waves, the first chunk (with the prefill) not timed")
     roof = s * steps / (total / bw) if bw else None
     rows = [["engine decode", f"{tps:,.0f}", f"{secs:.2f} s", f"{total / steps / 1e9:.3f}",
              f"{total / secs / 1e9:,.0f}" if secs else "-"],
@@ -407,8 +408,7 @@ def main():
           f"Hkv={model_cfg.n_kv_heads} F={model_cfg.d_ff}")
     if "fair" in parts or "recompute" in parts:
         t0 = time.perf_counter()
-        run_engine(eng, ep, prompts[:1], 1)  # compiles prefill, insert, generate
-        for n in (1 << i for i in range(args.samples.bit_length())):  # the K-step call, free, batched inserts
+        for n in (1 << i for i in range(args.samples.bit_length())):  # prefill, the K-step call, free, batched inserts
             generate_all(eng, ep, prompts[:1], samples=n, eos_id=None, max_tokens=[[1] * n])
         generate_all(eng, ep, prompts[:1], eos_id=None)  # every decode window
         print(f"compile: engine {time.perf_counter() - t0:.1f} s (prefill+insert+generate, K={k})")

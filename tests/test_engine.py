@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import CACHE_LAYOUTS
+from naive_decoder import naive_generate
 
 from async_rl.config import ModelConfig
-from async_rl.decoding import generate_all, naive_generate
+from async_rl.decoding import generate_all
 from async_rl.engine import Engine, sample_token
 from async_rl.model import Transformer, layout
 
@@ -59,7 +60,7 @@ def test_greedy_matches_naive_across_refills_and_compiles_once(model, prompts):
     # one window (P + N is the smallest); its decode with and without the last forward pass
     assert eng.compile_counts() == {"prefill": 1, "insert": 1, "generate": 2, "free": 1}
     for i, prompt in enumerate(prompts):
-        ref = naive_generate(CFG, graphdef, params, prompt, max_new_tokens=N, eos_id=EOS, temperature=0.0,
+        ref = naive_generate(graphdef, params, prompt, max_new_tokens=N, eos_id=EOS, temperature=0.0,
                              top_k=0, top_p=1.0, seed=7, ordinal=i, sample=0, max_prompt_len=P)
         for s in range(2):
             np.testing.assert_array_equal(out[i][s].tokens, ref.tokens)
@@ -160,7 +161,7 @@ def test_update_params_changes_outputs_without_recompiling(model, prompts):
     after = generate_all(eng, eng.params, prompts, eos_id=None)
     assert eng.compile_counts() == counts == {"prefill": 1, "insert": 1, "generate": 2, "free": 1}
     assert any((a[0].tokens != b[0].tokens).any() for a, b in zip(before, after))
-    ref = naive_generate(CFG, graphdef, new, prompts[0], max_new_tokens=N, eos_id=None, temperature=0.0,
+    ref = naive_generate(graphdef, new, prompts[0], max_new_tokens=N, eos_id=None, temperature=0.0,
                          top_k=0, top_p=1.0, seed=7, ordinal=0, sample=0, max_prompt_len=P)
     np.testing.assert_array_equal(after[0][0].tokens, ref.tokens)
     with pytest.raises(ValueError):
@@ -212,6 +213,8 @@ def test_generate_steps_equals_single_steps(model, prompts, devices, layout):
         got_l.append(l)
     np.testing.assert_array_equal(np.concatenate(got_t), np.stack(toks))
     np.testing.assert_allclose(np.concatenate(got_l), np.stack(lps), atol=1e-6)
+    with pytest.raises(ValueError, match="steps=2"):  # one token or K: the two compiled decodes
+        many.generate_steps(pk, sk, 2)
 
 
 @pytest.mark.parametrize("k,layout", [(1, "stacked"), (4, "stacked"), (4, "recent")])
