@@ -55,6 +55,11 @@ def install(log=None) -> Signals:
     return _active
 
 
+def requested() -> bool:
+    """Was this process asked to stop (a SIGTERM/SIGINT kept by the installed handlers)?"""
+    return _active is not None and _active.received is not None
+
+
 def reassert() -> None:
     """Installs this process's handlers again where a library replaced them behind Python's back
     (a C++ `sigaction`, e.g. a preemption notifier), so a signal is still ours to act on."""

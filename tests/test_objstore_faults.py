@@ -1,0 +1,255 @@
+"""Object stores that fail a run: a lease deleted under a live run, a holder paused past its
+lease, a store that stops answering (killed, or paused so connections hang), no credentials,
+an endpoint that is down. Against real servers on loopback (fake-gcs-server, moto, and a
+socket that accepts connections and never answers)."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from objstore import GCS_ENV, TINY, GcsServer, new_bucket, pointed_at, train_proc, wait_past
+
+from async_rl import cli, remote_io, rundir, storage
+from async_rl.ckpt_layout import committed_steps
+
+
+def _after_steps(stderr: str) -> list[str]:
+    """The lines a run printed after its last step line."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    last = max((i for i, ln in enumerate(lines) if ln.startswith("step ")), default=-1)
+    return lines[last + 1:]
+
+
+def _audit(run: str, env: dict | None = None) -> dict:
+    r = subprocess.run([sys.executable, "-m", "async_rl", "audit", "--json", run], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, **(env or {})))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_lease_deleted_under_a_live_run(scheme, request, xla_cache):
+    """`.lock` deleted under a live run and a second `train` started at once: the second takes
+    the lease and reads the run only once the first must have stopped writing; the first finds
+    its lease gone at its next renewal and stops (one line, exit 1) before writing anything
+    more; the second trains to the end and the audit passes: every prompt trained once."""
+    request.getfixturevalue("gcs_endpoint" if scheme == "gs" else "s3_endpoint")
+    run = f"{new_bucket(scheme)}/run"
+    first = train_proc(run, xla_cache, "run.lease_s=6", delay="step:0.5")
+    try:
+        wait_past(run, first, 3)
+        storage.remove(storage.run_path(run) / ".lock")
+        second = train_proc(run, xla_cache, "run.lease_s=6")
+        try:
+            assert first.wait(timeout=120) == 1
+            err = first.stderr.read()
+            tail = _after_steps(err)  # deleted, or taken by the second if it renewed after that one took it
+            assert len(tail) == 1 and re.fullmatch(
+                f"error: {run}/.lock: the run lock was (deleted|taken by pid {second.pid} on host .*) while this run "
+                r"held it; stopped before writing anything more \(the last committed checkpoint step is intact\)",
+                tail[0]), err[-3000:]
+            assert second.wait(timeout=600) == 0, second.stderr.read()[-3000:]
+            err2 = second.stderr.read()
+            assert f"{run}/.lock was missing although" in err2 and "resumed step" in err2, err2[-3000:]
+        finally:
+            second.kill()
+            second.wait(timeout=60)
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    rep = _audit(run)
+    assert rep["finished"] and rep["epochs"][0]["trained_once"] == 36 and not rep["problems"]
+
+
+HOLD_AND_PRUNE = """
+import sys
+from async_rl import rundir, storage
+from async_rl.checkpoint import Checkpointer
+run = storage.run_path(sys.argv[1])
+lock = rundir.run_lock(run, 0, lease_s=2)
+lock.acquire(run)
+ckpt = Checkpointer(run / "checkpoints", keep=1, async_save=False)
+ckpt.open()
+print("held", flush=True)
+sys.stdin.readline()
+try:
+    ckpt.prune()
+    print("pruned", flush=True)
+except rundir.LockLostError as e:
+    print("lost:", e, flush=True)
+"""
+
+
+def test_a_paused_holder_deletes_nothing_after_its_lease_was_taken(bucket):
+    """A holder SIGSTOPped past run.lease_s, its lease taken over meanwhile: once resumed, its
+    first write (Orbax's keep-N deletion of old steps, ours on an object store) is refused by
+    its own clock or its lost renewal, whichever comes first, and deletes nothing."""
+    run = storage.run_path(f"{bucket}/run")
+    for s in (1, 2):  # two committed steps, as Orbax marks them
+        storage.write_atomic(run / "checkpoints" / str(s) / "commit_success.txt", b"ok")
+    assert committed_steps(run / "checkpoints") == [1, 2]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_PRUNE, str(run)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-2000:]
+        holder.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)  # past its lease
+        taker = rundir.run_lock(run, 0, lease_s=2)
+        taker.acquire(run)  # watched unchanged for HOLD_OFF leases, then taken
+        try:
+            holder.stdin.write("go\n")  # it prunes the moment it runs again, racing its heartbeat
+            holder.stdin.flush()
+            holder.send_signal(signal.SIGCONT)
+            out = holder.stdout.readline().strip()
+            assert out.startswith("lost:"), (out, holder.stderr.read()[-2000:])
+            assert committed_steps(run / "checkpoints") == [1, 2]  # nothing deleted
+            assert json.loads(storage.read_text(run / ".lock"))["pid"] == os.getpid()
+        finally:
+            taker.release()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "paused"])
+def test_store_stops_answering_mid_run(how, tmp_path, xla_cache):
+    """The store stops answering at step 4, killed (connections refused) or paused with SIGSTOP
+    (connections hang): the run stops with one line naming a path and the cause, exit 1, within
+    run.storage_timeout_s (paused: within seconds of a SIGTERM, with a long bound). Started again
+    on the same data, the next `train` resumes the last committed step and the audit passes."""
+    server = GcsServer(tmp_path / "gcs").start()
+    env = GCS_ENV(server.url)
+    try:
+        with pointed_at(env):
+            run = f"{new_bucket('gs')}/run"
+            bound = 15 if how == "killed" else 300
+            p = train_proc(run, xla_cache, f"run.storage_timeout_s={bound}", "run.lease_s=60", env=env)
+            try:
+                wait_past(run, p, 3)
+                server.kill() if how == "killed" else server.pause()
+                t0 = time.monotonic()
+                if how == "paused":
+                    time.sleep(3)
+                    p.send_signal(signal.SIGTERM)
+                    t0 = time.monotonic()
+                code = p.wait(timeout=240)
+                took = time.monotonic() - t0
+                err = p.stderr.read()
+            finally:
+                p.kill()
+                p.wait(timeout=60)
+            assert code == 1, err[-3000:]
+            assert took < (25 if how == "paused" else bound + 30), (took, err[-3000:])
+            tail = [ln for ln in _after_steps(err) if not ln.startswith("SIGTERM: stopping")]
+            assert len(tail) == 1 and tail[0].startswith("error: ") and f"{run}/" in tail[0], err[-3000:]
+            assert ("asked to stop" if how == "paused" else "Connect") in tail[0], tail
+            assert "step is intact" in tail[0] and "Traceback" not in err
+            server.start() if how == "killed" else server.pause(False)
+            steps = committed_steps(storage.run_path(run) / "checkpoints")
+            again = train_proc(run, xla_cache, env=env)
+            assert again.wait(timeout=600) == 0, again.stderr.read()[-3000:]
+            assert f"resumed step {steps[-1]}" in again.stderr.read()
+        rep = _audit(run, env)
+        assert rep["finished"] and rep["epochs"][0]["trained_once"] == 36 and not rep["problems"]
+    finally:
+        server.close()
+
+
+class _Silent:
+    """A TCP port that accepts connections and never answers (a stalled store's endpoint)."""
+
+    def __enter__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_call_the_store_never_answers_is_bounded_and_named(scheme, monkeypatch):
+    """A request the store accepts and never answers: it fails after run.storage_timeout_s as
+    StorageError naming the path and 'no answer', not after the clients' own retries (minutes)."""
+    with _Silent() as url:
+        env = GCS_ENV(url) if scheme == "gs" else {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "k",
+                                                    "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+        with pointed_at(env):
+            remote_io.configure(6)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(remote_io.StorageError, match=f"{scheme}://b1/run/x: read failed \\(no answer"):
+                    storage.read_bytes(storage.run_path(f"{scheme}://b1/run/x"))
+                assert time.monotonic() - t0 < 12
+            finally:
+                remote_io.configure(remote_io.DEFAULT_TIMEOUT_S)
+
+
+NO_KEYS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
+           "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@pytest.mark.parametrize("case", ["s3-no-credentials", "s3-endpoint-down", "gs-endpoint-down"])
+def test_start_names_missing_credentials_or_a_down_endpoint(case, s3_endpoint, monkeypatch, capsys):
+    """`train` and `audit` on a store they cannot use: one line naming the cause (not 'bucket
+    does not exist'), exit 2, within seconds."""
+    scheme = case[:2]
+    url = f"{scheme}://b1/run"
+    if case == "s3-no-credentials":
+        for k, v in NO_KEYS.items():
+            monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
+        want = "no credentials"
+    else:
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+        for k, v in (GCS_ENV(closed) if scheme == "gs" else {"AWS_ENDPOINT_URL": closed}).items():
+            monkeypatch.setenv(k, v)
+        want = "connect"
+    storage._fs.cache_clear()
+    try:
+        for args in (["audit", url], ["train", *TINY, f"run.dir={url}"]):
+            capsys.readouterr()
+            t0 = time.monotonic()
+            assert cli.main(args) == 2
+            err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+            assert len(err) == 1 and err[0].startswith("error: ") and want in err[0].lower(), err
+            assert "does not exist" not in err[0] and "b1/run" in err[0]
+            assert time.monotonic() - t0 < rundir.PROBE_S + 8, args[0]
+    finally:
+        storage._fs.cache_clear()
+        remote_io.configure(remote_io.DEFAULT_TIMEOUT_S)
+
+
+def test_lease_renewal_that_finds_it_gone_is_lost(bucket):
+    """A renewal that finds the lease deleted (S3: 404 on a conditional replace; GCS: 412) loses
+    it: the next check stops the holder before it writes, and a write under the run is refused."""
+    run = storage.run_path(f"{bucket}/run")
+    lk = rundir.run_lock(run, 0, lease_s=1.5)
+    lk.acquire(run)
+    storage.remove(run / ".lock")  # as another process would
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                lk.check(run)
+            except rundir.LockLostError as e:
+                assert "was deleted" in str(e)
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the holder never noticed that its lease was deleted")
+        with pytest.raises(rundir.LockLostError):
+            storage.write_atomic(run / "lineage.jsonl" / "0000000001", b"{}\n")
+    finally:
+        lk.release()
+    assert not storage.exists(run / "lineage.jsonl" / "0000000001")
