@@ -14,31 +14,44 @@ tensorstore kvstore it opens there). Does not own: writing, reading or verifying
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.metadata import checkpoint as _ckpt_metadata
+from orbax.checkpoint._src.path import async_path as _async_path
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
 from . import remote_io, storage
 
 ITEMS = ("state", "data", "ledger", "meta")  # the Composite items of every step
+COMMIT_FILE = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # the object that makes a step committed on an object store
 _NAMES = ocp.path.step.standard_name_format()  # the CheckpointManager's default, which train uses
 
 
 class _LeasedCommit(ocp.path.atomicity.CommitFileTemporaryPath):
     """Object stores have no rename: Orbax writes the step in place and records its commit in a
-    file (its default on gs://; on s3:// its default rename would be a copy). The commit record
-    is written only while the run still holds its lease (`storage.check_write`): a run that
-    lost it never commits a step after another holder chose where to resume."""
+    file (its default on gs://; on s3:// its default rename would be a copy). Its `finalize`,
+    with the lease checked (`storage.check_write`) right before the commit record is written,
+    after the metadata update that may wait on the store: a run that lost its lease never
+    commits a step after another holder chose where to resume."""
 
-    async def finalize(self, *args, **kwargs):
+    async def finalize(self):
         storage.check_write(self.get_final())
-        return await super().finalize(*args, **kwargs)
+        store = self._checkpoint_metadata_store
+        if store:
+            await asyncio.to_thread(store.wait_until_finished)
+            await asyncio.to_thread(store.update, file_path=_ckpt_metadata.step_metadata_file_path(self._tmp_path),
+                                    commit_timestamp_nsecs=time.time_ns())
+            await asyncio.to_thread(store.wait_until_finished)
+        storage.check_write(self.get_final())
+        await _async_path.write_text(self._final_path / COMMIT_FILE,
+                                     f"Checkpoint commit was successful to {self._final_path}")
 
 
 _COMMIT_FILE = _LeasedCommit
-COMMIT_FILE = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # the object that makes a step committed there
 _REMOTE_NAMES = ocp.path.step.standard_name_format(temporary_path_cls=_COMMIT_FILE)
 
 

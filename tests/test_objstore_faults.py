@@ -253,3 +253,38 @@ def test_lease_renewal_that_finds_it_gone_is_lost(bucket):
     finally:
         lk.release()
     assert not storage.exists(run / "lineage.jsonl" / "0000000001")
+
+
+def test_the_commit_record_is_written_only_while_the_lease_holds(bucket):
+    """Orbax's commit record on an object store goes through the run's write guard (the lease
+    check), after the metadata update that may wait on the store: a save whose lease was lost
+    meanwhile never commits its step."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from async_rl.ckpt_layout import temporary_path_class
+    run = storage.run_path(f"{bucket}/run")
+    d = run / "checkpoints"
+    held = [True]
+
+    def check():
+        if not held[0]:
+            raise rundir.LockLostError("lost")
+    storage.guard(run, check)
+    try:
+        opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True,
+                                            temporary_path_class=temporary_path_class(d))
+        state = {"w": np.arange(4, dtype=np.float32)}
+        with ocp.CheckpointManager(d, options=opts) as mngr:
+            mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+            held[0] = False
+            with pytest.raises(Exception) as got:
+                mngr.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+            chain, e = [], got.value
+            while e is not None:
+                chain.append(e)
+                e = e.__cause__ or e.__context__
+            assert any(isinstance(x, rundir.LockLostError) for x in chain), chain
+    finally:
+        storage.unguard(run)
+    assert committed_steps(d) == [1]
