@@ -530,8 +530,10 @@ class Checkpointer:
             if (stalled and waited >= 1) or waited >= COMMIT_WAIT_S:
                 self._stuck = True
                 sig.left_running("checkpoint commit")
-                raise self._write_error(self._inflight, f"its commit did not finish within {waited:.0f} s"
-                                        + (" while the store did not answer" if stalled else ""))
+                why = f"its commit did not finish within {waited:.0f} s"
+                if stalled:
+                    why += " while the store did not answer" + (", and the run was asked to stop" if sig.requested() else "")
+                raise self._write_error(self._inflight, why)
         if box:
             raise self._write_error(self._inflight, box[0]) from None
 

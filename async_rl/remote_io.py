@@ -139,6 +139,27 @@ def _stop_requested() -> bool:
     return signals.requested()
 
 
+def watch_stop(where, log, grace_s: float = 2 * STALL_S) -> threading.Event:
+    """The backstop for a stop request while the store stalls. A stalled call of ours is given
+    up within STALL_S of the request (`_sync`); a thread waiting inside a library instead (the
+    main thread in Orbax's save, on tensorstore's requests in C++, where no code of ours runs)
+    is not. Where the run is still running `grace_s` after the request and the store is still
+    stalled, the process exits with one line (exit 1): a save would need the store, and the
+    last committed step is intact. Set the returned event when the run ends."""
+    from . import signals
+    done = threading.Event()
+
+    def run():
+        while not done.wait(1):
+            if signals.requested_for() >= grace_s and stalled():
+                log(f"error: {where}: the store did not answer for {signals.requested_for():.0f} s after the run was "
+                    "asked to stop; exiting without saving, the last committed checkpoint step is intact: check the "
+                    "store's endpoint, network and credentials and run the same command to resume")
+                os._exit(1)
+    threading.Thread(target=run, name="stop-watch", daemon=True).start()
+    return done
+
+
 # ---- telling failures from answers ------------------------------------------------------
 
 

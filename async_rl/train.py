@@ -133,6 +133,7 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     lock.ensure_free(run_dir)
     if remote:  # a lease is held before the run is read: no other holder commits after the choice
         lock.acquire(run_dir)
+    stop_watch = remote_io.watch_stop(run_dir, log) if remote else None
     try:
         parts = build(cfg, run_dir, log)
         if remote:
@@ -156,6 +157,8 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
         session.close()
         return report(parts, session, log)
     finally:
+        if stop_watch is not None:
+            stop_watch.set()
         lock.release()
 
 

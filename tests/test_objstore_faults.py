@@ -130,7 +130,8 @@ def test_store_stops_answering_mid_run(how, tmp_path, xla_cache):
         with pointed_at(env):
             run = f"{new_bucket('gs')}/run"
             bound = 15 if how == "killed" else 300
-            p = train_proc(run, xla_cache, f"run.storage_timeout_s={bound}", "run.lease_s=60", env=env)
+            p = train_proc(run, xla_cache, f"run.storage_timeout_s={bound}", "run.lease_s=60",
+                           env={**env, "PYTHONFAULTHANDLER": "1"})
             try:
                 wait_past(run, p, 3)
                 server.kill() if how == "killed" else server.pause()
@@ -139,13 +140,18 @@ def test_store_stops_answering_mid_run(how, tmp_path, xla_cache):
                     time.sleep(3)
                     p.send_signal(signal.SIGTERM)
                     t0 = time.monotonic()
-                code = p.wait(timeout=240)
+                try:
+                    code = p.wait(timeout=240)
+                except subprocess.TimeoutExpired:  # every thread's stack into stderr (faulthandler), for the failure
+                    p.send_signal(signal.SIGABRT)
+                    p.wait(timeout=60)
+                    code = None
                 took = time.monotonic() - t0
                 err = p.stderr.read()
             finally:
                 p.kill()
                 p.wait(timeout=60)
-            assert code == 1, err[-3000:]
+            assert code == 1, (code, err[-3000:])
             assert took < (25 if how == "paused" else bound + 30), (took, err[-3000:])
             tail = [ln for ln in _after_steps(err) if not ln.startswith("SIGTERM: stopping")]
             assert len(tail) == 1 and tail[0].startswith("error: ") and f"{run}/" in tail[0], err[-3000:]
@@ -288,3 +294,44 @@ def test_the_commit_record_is_written_only_while_the_lease_holds(bucket):
     finally:
         storage.unguard(run)
     assert committed_steps(d) == [1]
+
+
+STUCK = """
+import os, sys, threading, time
+from async_rl import remote_io, signals, storage
+signals.install()
+remote_io.configure(300)
+remote_io.watch_stop("s3://b1/run", lambda m: print(m, file=sys.stderr, flush=True))
+def read():  # a call of ours: given up STALL_S after the stop request (the store counts as stalled)
+    try:
+        storage.read_bytes(storage.run_path("s3://b1/run/x"))
+    except remote_io.StorageError:
+        pass
+threading.Thread(target=read, daemon=True).start()
+print("waiting", flush=True)
+time.sleep(120)  # the main thread inside a library's own wait, where no code of ours runs
+"""
+
+
+def test_a_stop_request_while_the_store_stalls_ends_the_process():
+    """The backstop: a SIGTERM while the store does not answer and the main thread waits where
+    no stalled call of ours can be given up (inside a library): the process exits 1 within
+    seconds with one line, instead of after the library's own retries."""
+    with _Silent() as url:
+        env = dict(os.environ, AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
+                   AWS_DEFAULT_REGION="us-east-1")
+        p = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+        try:
+            assert p.stdout.readline().strip() == "waiting", p.stderr.read()[-2000:]
+            time.sleep(1)
+            p.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            assert p.wait(timeout=60) == 1
+            assert time.monotonic() - t0 < 2 * remote_io.STALL_S + 5
+            err = [ln for ln in p.stderr.read().splitlines() if ln.strip() and not ln.startswith("SIGTERM: stopping")]
+            assert len(err) == 1 and err[0].startswith("error: s3://b1/run: the store did not answer") \
+                and "asked to stop" in err[0], err
+        finally:
+            p.kill()
+            p.wait(timeout=30)
