@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +40,6 @@ from orbax.checkpoint import future
 
 from . import config as C
 from . import faults, remote_io, sharding, storage
-from . import signals as sig
 from .ckpt_layout import (
     COMMIT_FILE,
     committed_steps,
@@ -463,12 +461,18 @@ class Checkpointer:
         it_sha = sha256(IteratorState(iterator_state).get_state())
         self.wait()  # Orbax's save waits for the previous one anyway; this names it if it failed
         self._inflight = step
-        try:
-            self.mngr.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(IteratorState(iterator_state)),
-                ledger=LedgerSave(ledger, step, it_sha),
-                meta=ocp.args.JsonSave(meta)), force=True)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=grain.checkpoint.CheckpointSave(IteratorState(iterator_state)),
+                                  ledger=LedgerSave(ledger, step, it_sha), meta=ocp.args.JsonSave(meta))
+        try:  # on an object store Orbax's own part of the save may wait on the store too
+            if storage.is_remote(self.directory):
+                remote_io.wait_bounded(lambda: self.mngr.save(step, args=args, force=True), "checkpoint save",
+                                       COMMIT_WAIT_S)
+            else:
+                self.mngr.save(step, args=args, force=True)
+        except remote_io.GaveUp as e:
+            self._stuck = True
+            raise self._write_error(step, f"it was given up: {e}") from None
         except OSError as e:
             raise self._write_error(step, e) from None
         self.last_blocking_s = time.perf_counter() - t0
@@ -507,35 +511,18 @@ class Checkpointer:
             raise self._write_error(self._inflight, e) from None
 
     def wait(self) -> None:
-        """Waits for the background commit, with a deadline: it gives up at once on a store the
-        run abandoned, within seconds of a stop request while the store stalls, and after
-        COMMIT_WAIT_S in any case (the commit thread is then left running, `signals.left_running`)."""
+        """Waits for the background commit (`remote_io.wait_bounded`: given up on a store that
+        stopped answering, within seconds of a stop request while it stalls, after
+        COMMIT_WAIT_S in any case; the commit thread is then left running)."""
         if self.mngr is None or self._stuck:
             return
-        box: list = []
-        done = threading.Event()
-
-        def run():
-            try:
-                self.mngr.wait_until_finished()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                box.append(e)
-            finally:
-                done.set()
-        threading.Thread(target=run, name="checkpoint-wait", daemon=True).start()
-        t0 = time.monotonic()
-        while not done.wait(0.5):
-            waited = time.monotonic() - t0
-            stalled = remote_io.stalled() and (remote_io.abandoned() or sig.requested())
-            if (stalled and waited >= 1) or waited >= COMMIT_WAIT_S:
-                self._stuck = True
-                sig.left_running("checkpoint commit")
-                why = f"its commit did not finish within {waited:.0f} s"
-                if stalled:
-                    why += " while the store did not answer" + (", and the run was asked to stop" if sig.requested() else "")
-                raise self._write_error(self._inflight, why)
-        if box:
-            raise self._write_error(self._inflight, box[0]) from None
+        try:
+            remote_io.wait_bounded(self.mngr.wait_until_finished, "checkpoint commit", COMMIT_WAIT_S)
+        except remote_io.GaveUp as e:
+            self._stuck = True
+            raise self._write_error(self._inflight, f"its commit was given up: {e}") from None
+        except Exception as e:
+            raise self._write_error(self._inflight, e) from None
 
     def prune(self) -> list[int]:
         """On an object store: deletes the committed steps older than the newest `keep` (returns

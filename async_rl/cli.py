@@ -80,8 +80,9 @@ def _stopped(e) -> int:
 
 def _probe(path: str) -> None:
     """A read-only command on an object store: a store that cannot be used is named at once."""
-    from . import rundir, storage
+    from . import remote_io, rundir, storage
     if storage.is_remote(path):
+        remote_io.configure(remote_io.DEFAULT_TIMEOUT_S)
         rundir.probe_store(path)
 
 

@@ -373,9 +373,12 @@ class Journal:
             self._sync_failing = False
         except Exception as e:  # noqa: BLE001 - a lost sync costs regeneration only, never correctness
             seg.dirty = True
-            if not (self._sync_failing or remote_io.abandoned() or signals.requested() or isinstance(e, LockLostError)):
+            # once per failure, and none where the run stops on it anyway: a store that does not
+            # answer (the step loop names it within run.storage_timeout_s) or a lost lease
+            quiet = isinstance(e, (remote_io.StorageError, LockLostError)) or signals.requested()
+            if not (self._sync_failing or quiet):
                 self.log(f"warning: journal sync of {seg.path} failed ({e}); retried at each sync, records are kept "
-                         "in memory meanwhile")  # once per outage, none once the run stops on it
+                         "in memory meanwhile")
             self._sync_failing = True
         self.sync_s += time.perf_counter() - t0
 

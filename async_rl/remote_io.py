@@ -47,7 +47,7 @@ class _State:
     configured = False
     timeout_s = DEFAULT_TIMEOUT_S
     abandoned: str | None = None  # why every call now fails at once
-    failed_at: float | None = None  # a call failed unanswered; None once one is answered again
+    failing_since: float | None = None  # the first call to fail unanswered since the store last answered
     last_retry = ""  # the last error a client retried on
     inflight: dict[int, float] = {}
     lock = threading.Lock()
@@ -55,13 +55,21 @@ class _State:
 
 _S = _State()
 _local = threading.local()
+_USER_ENV = {k for k in os.environ if k.startswith("TENSORSTORE_CURL_")}  # set before this process touched them
 _calls = itertools.count()
 
 
 def configure(timeout_s: float) -> None:
     """Sets the bound for this process's calls (a run's `run.storage_timeout_s`), and the
     clients' settings derived from it for the filesystems made from now on."""
-    _S.timeout_s, _S.abandoned, _S.failed_at = float(timeout_s), None, None
+    _S.timeout_s, _S.abandoned, _S.failing_since = float(timeout_s), None, None
+    # tensorstore (Orbax's arrays) reads these once, at its first request: without them a
+    # stalled request waits for the OS to drop the connection. A value the user set wins.
+    per_try = per_request_s()
+    for k, v in (("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(max(1, int(per_try)))),
+                 ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")):
+        if k not in _USER_ENV:
+            os.environ[k] = v
     _apply()
     from . import storage
     storage._fs.cache_clear()
@@ -76,10 +84,6 @@ def ensure() -> None:
 def _apply() -> None:
     _S.configured = True
     per_try = per_request_s()
-    # tensorstore (Orbax's arrays) reads these once, at its first request: without them a
-    # stalled request waits for the OS to drop the connection
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(max(1, int(per_try))))
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
     _install()
     import aiohttp
     import fsspec.config
@@ -128,10 +132,59 @@ def abandoned() -> bool:
 
 def stalled() -> bool:
     """A call has gone unanswered for STALL_S, or the last one failed unanswered."""
+    return _S.abandoned is not None or _S.failing_since is not None or unanswered_s() >= STALL_S
+
+
+def unanswered_s() -> float:
+    """How long the store has gone without answering: since the oldest call still in flight
+    started, or since the first call failed unanswered after its last answer (0: it answers)."""
     now = time.monotonic()
     with _S.lock:
         oldest = min(_S.inflight.values(), default=now)
-    return _S.abandoned is not None or _S.failed_at is not None or now - oldest >= STALL_S
+    return now - min(oldest, _S.failing_since or now)
+
+
+class GaveUp(Exception):
+    """A wait given up (`wait_bounded`); the thread it waited on is left running."""
+
+
+def wait_bounded(fn, name: str, cap_s: float):
+    """Runs `fn` on a thread of its own and returns its result (or raises its exception), for a
+    library call that may wait where no code of ours can give it up (Orbax on tensorstore's
+    requests, in C++). Gives up (GaveUp naming why) at once on a store the run abandoned,
+    within seconds of a stop request while the store stalls, once the store has not answered
+    for the bound, and after `cap_s` in any case; the thread is then left running
+    (`signals.left_running`: the process exits without waiting for it)."""
+    from . import signals
+    box: list = []
+    done = threading.Event()
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box.append((False, e))
+        finally:
+            done.set()
+    threading.Thread(target=run, name=name, daemon=True).start()
+    t0 = time.monotonic()
+    while not done.wait(0.5):
+        waited, why = time.monotonic() - t0, None
+        if _S.abandoned and waited >= 1:
+            why = f"not waited for: {_S.abandoned}"
+        elif waited >= 1 and stalled() and signals.requested():
+            why = f"the store did not answer for {unanswered_s():.0f} s, and the run was asked to stop"
+        elif unanswered_s() >= _S.timeout_s:
+            why = f"the store did not answer for {unanswered_s():.0f} s"
+        elif waited >= cap_s:
+            why = f"not finished after {waited:.0f} s"
+        if why:
+            signals.left_running(name)
+            raise GaveUp(why)
+    ok, got = box[0]
+    if ok:
+        return got
+    raise got
 
 
 def _stop_requested() -> bool:
@@ -225,16 +278,16 @@ def named(path, what: str):
         _S.inflight[key] = t0
     try:
         yield
-        _S.failed_at, _S.last_retry = None, ""
+        _S.failing_since, _S.last_retry = None, ""
     except StorageError:
-        _S.failed_at = time.monotonic()
+        _S.failing_since = _S.failing_since or time.monotonic()
         raise
     except Exception as e:
         why = cause(e)
         if why is None:
-            _S.failed_at = None  # an answer
+            _S.failing_since = None  # an answer
             raise
-        _S.failed_at = time.monotonic()
+        _S.failing_since = _S.failing_since or time.monotonic()
         raise StorageError(path, why, what) from None
     finally:
         with _S.lock:

@@ -152,6 +152,8 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
         except BaseException as e:
             if remote and _store_failed(e):  # closing waits on nothing the store would have to answer
                 remote_io.abandon("not tried: the run is stopping on a storage failure")
+                # nor does the exit: a library's thread may still be inside its own retries (tensorstore's)
+                sig.left_running("storage calls of the clients")
             session.close(failing=True)
             raise
         session.close()

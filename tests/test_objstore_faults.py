@@ -18,6 +18,15 @@ from async_rl import cli, remote_io, rundir, storage
 from async_rl.ckpt_layout import committed_steps
 
 
+@pytest.fixture(autouse=True)
+def _tensorstore_env(monkeypatch):
+    """remote_io.configure in this process sets tensorstore's variables; put back afterwards,
+    so no later training subprocess inherits them as the user's."""
+    for k in ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"):
+        monkeypatch.setenv(k, "1")
+        monkeypatch.delenv(k)
+
+
 def _after_steps(stderr: str) -> list[str]:
     """The lines a run printed after its last step line."""
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
@@ -117,26 +126,32 @@ def test_a_paused_holder_deletes_nothing_after_its_lease_was_taken(bucket):
         holder.wait(timeout=30)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["killed", "paused"])
+# CI: killed, and paused with no signal (the bound ends it); the soak also pauses then sends a
+# SIGTERM under a long bound (the signal ends it within seconds)
+STALLS = [pytest.param("killed", marks=pytest.mark.slow), pytest.param("paused", marks=pytest.mark.slow),
+          pytest.param("paused-sigterm", marks=pytest.mark.soak)]
+
+
+@pytest.mark.parametrize("how", STALLS)
 def test_store_stops_answering_mid_run(how, tmp_path, xla_cache):
     """The store stops answering at step 4, killed (connections refused) or paused with SIGSTOP
     (connections hang): the run stops with one line naming a path and the cause, exit 1, within
-    run.storage_timeout_s (paused: within seconds of a SIGTERM, with a long bound). Started again
-    on the same data, the next `train` resumes the last committed step and the audit passes."""
+    run.storage_timeout_s (or within seconds of a SIGTERM, under a long bound), and exits
+    without waiting on the clients' threads still inside their retries. Started again on the
+    same data, the next `train` resumes the last committed step and the audit passes."""
     server = GcsServer(tmp_path / "gcs").start()
     env = GCS_ENV(server.url)
     try:
         with pointed_at(env):
             run = f"{new_bucket('gs')}/run"
-            bound = 15 if how == "killed" else 300
+            bound = 300 if how == "paused-sigterm" else 15
             p = train_proc(run, xla_cache, f"run.storage_timeout_s={bound}", "run.lease_s=60",
                            env={**env, "PYTHONFAULTHANDLER": "1"})
             try:
                 wait_past(run, p, 3)
                 server.kill() if how == "killed" else server.pause()
                 t0 = time.monotonic()
-                if how == "paused":
+                if how == "paused-sigterm":
                     time.sleep(3)
                     p.send_signal(signal.SIGTERM)
                     t0 = time.monotonic()
@@ -152,11 +167,11 @@ def test_store_stops_answering_mid_run(how, tmp_path, xla_cache):
                 p.kill()
                 p.wait(timeout=60)
             assert code == 1, (code, err[-3000:])
-            assert took < (25 if how == "paused" else bound + 30), (took, err[-3000:])
+            assert took < (25 if how == "paused-sigterm" else bound + 30), (took, err[-3000:])
             tail = [ln for ln in _after_steps(err) if not ln.startswith("SIGTERM: stopping")]
             assert len(tail) == 1 and tail[0].startswith("error: ") and f"{run}/" in tail[0], err[-3000:]
-            assert ("asked to stop" if how == "paused" else "Connect") in tail[0], tail
-            assert "step is intact" in tail[0] and "Traceback" not in err
+            cause = {"killed": "Connect", "paused": "no answer within 15 s", "paused-sigterm": "asked to stop"}[how]
+            assert cause in tail[0] and "step is intact" in tail[0] and "Traceback" not in err, tail
             server.start() if how == "killed" else server.pause(False)
             steps = committed_steps(storage.run_path(run) / "checkpoints")
             again = train_proc(run, xla_cache, env=env)
@@ -181,18 +196,23 @@ class _Silent:
         self.sock.close()
 
 
-@pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_a_call_the_store_never_answers_is_bounded_and_named(scheme, monkeypatch):
+@pytest.mark.parametrize("scheme,stop", [("gs", False), ("s3", False), ("s3", True)], ids=["gs", "s3", "s3-stop"])
+def test_a_call_the_store_never_answers_is_bounded_and_named(scheme, stop, monkeypatch):
     """A request the store accepts and never answers: it fails after run.storage_timeout_s as
-    StorageError naming the path and 'no answer', not after the clients' own retries (minutes)."""
+    StorageError naming the path and 'no answer', not after the clients' own retries (minutes);
+    once the run is asked to stop, within STALL_S whatever the bound."""
+    from async_rl import signals
     with _Silent() as url:
         env = GCS_ENV(url) if scheme == "gs" else {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "k",
                                                     "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+        if stop:
+            monkeypatch.setattr(signals, "requested", lambda: True)
         with pointed_at(env):
-            remote_io.configure(6)
+            remote_io.configure(300 if stop else 6)
             try:
                 t0 = time.monotonic()
-                with pytest.raises(remote_io.StorageError, match=f"{scheme}://b1/run/x: read failed \\(no answer"):
+                why = "no answer for [0-9]+ s, and the run was asked to stop" if stop else "no answer within 6 s"
+                with pytest.raises(remote_io.StorageError, match=f"{scheme}://b1/run/x: read failed \\({why}"):
                     storage.read_bytes(storage.run_path(f"{scheme}://b1/run/x"))
                 assert time.monotonic() - t0 < 12
             finally:
