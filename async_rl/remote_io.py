@@ -49,6 +49,7 @@ class _State:
     abandoned: str | None = None  # why every call now fails at once
     failing_since: float | None = None  # the first call to fail unanswered since the store last answered
     last_retry = ""  # the last error a client retried on
+    last_failure = ""  # why the last call failed unanswered
     inflight: dict[int, float] = {}
     lock = threading.Lock()
 
@@ -175,7 +176,9 @@ def wait_bounded(fn, name: str, cap_s: float):
         elif waited >= 1 and stalled() and signals.requested():
             why = f"the store did not answer for {unanswered_s():.0f} s, and the run was asked to stop"
         elif unanswered_s() >= _S.timeout_s:
-            why = f"the store did not answer for {unanswered_s():.0f} s"
+            seen = (_S.last_failure if _S.failing_since else "") or _S.last_retry
+            last = f" (last error: {seen})" if seen else ""
+            why = f"the store did not answer for {unanswered_s():.0f} s{last}"
         elif waited >= cap_s:
             why = f"not finished after {waited:.0f} s"
         if why:
@@ -279,15 +282,15 @@ def named(path, what: str):
     try:
         yield
         _S.failing_since, _S.last_retry = None, ""
-    except StorageError:
-        _S.failing_since = _S.failing_since or time.monotonic()
+    except StorageError as e:
+        _S.failing_since, _S.last_failure = _S.failing_since or time.monotonic(), e.why
         raise
     except Exception as e:
         why = cause(e)
         if why is None:
             _S.failing_since = None  # an answer
             raise
-        _S.failing_since = _S.failing_since or time.monotonic()
+        _S.failing_since, _S.last_failure = _S.failing_since or time.monotonic(), why
         raise StorageError(path, why, what) from None
     finally:
         with _S.lock:

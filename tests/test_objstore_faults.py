@@ -170,8 +170,9 @@ def test_store_stops_answering_mid_run(how, tmp_path, xla_cache):
             assert took < (25 if how == "paused-sigterm" else bound + 30), (took, err[-3000:])
             tail = [ln for ln in _after_steps(err) if not ln.startswith("SIGTERM: stopping")]
             assert len(tail) == 1 and tail[0].startswith("error: ") and f"{run}/" in tail[0], err[-3000:]
-            cause = {"killed": "Connect", "paused": "no answer within 15 s", "paused-sigterm": "asked to stop"}[how]
-            assert cause in tail[0] and "step is intact" in tail[0] and "Traceback" not in err, tail
+            cause = {"killed": "Connect", "paused": r"no answer within 15 s|did not answer for \d+ s",
+                     "paused-sigterm": "asked to stop"}[how]  # a call of ours, or a wait on Orbax's, gave up first
+            assert re.search(cause, tail[0]) and "step is intact" in tail[0] and "Traceback" not in err, tail
             server.start() if how == "killed" else server.pause(False)
             steps = committed_steps(storage.run_path(run) / "checkpoints")
             again = train_proc(run, xla_cache, env=env)
