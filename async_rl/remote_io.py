@@ -66,7 +66,7 @@ def configure(timeout_s: float) -> None:
     _S.timeout_s, _S.abandoned, _S.failing_since = float(timeout_s), None, None
     # tensorstore (Orbax's arrays) reads these once, at its first request: without them a
     # stalled request waits for the OS to drop the connection. A value the user set wins.
-    per_try = per_request_s()
+    per_try = per_request_s(_S.timeout_s)
     for k, v in (("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(max(1, int(per_try)))),
                  ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")):
         if k not in _USER_ENV:
@@ -84,7 +84,7 @@ def ensure() -> None:
 
 def _apply() -> None:
     _S.configured = True
-    per_try = per_request_s()
+    per_try = per_request_s(_S.timeout_s)
     _install()
     import aiohttp
     import fsspec.config
@@ -101,9 +101,10 @@ def timeout_s() -> float:
     return getattr(_local, "limit", None) or _S.timeout_s
 
 
-def per_request_s() -> float:
-    """One request's own timeout: a third of the bound, so a retry or two still fit in it."""
-    return max(2.0, min(60.0, timeout_s() / 3))
+def per_request_s(bound: float | None = None) -> float:
+    """One request's own timeout: a third of the bound (this thread's), so a retry or two
+    still fit in it."""
+    return max(2.0, min(60.0, (bound or timeout_s()) / 3))
 
 
 def tensorstore_retries() -> dict:
