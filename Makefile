@@ -46,7 +46,7 @@ $(OBJ_STAMP): $(STAMP)
 test-extras: $(OBJ_STAMP)
 
 test-objstore: $(OBJ_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests/test_objstore.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests/test_objstore.py tests/test_objstore_faults.py
 
 # The full crash matrix: every sampler x lookahead/staleness x partial rollouts.
 soak: $(STAMP)

@@ -39,8 +39,9 @@ from etils import epath
 from orbax.checkpoint import future
 
 from . import config as C
-from . import faults, sharding, storage
+from . import faults, remote_io, sharding, storage
 from .ckpt_layout import (
+    COMMIT_FILE,
     committed_steps,
     is_step_name,
     iterator_file,
@@ -71,6 +72,30 @@ class Damaged(Exception):
     def __init__(self, item: str, path: Path | str, why: str):
         super().__init__(f"{item}: {why} ({path})")
         self.item, self.path, self.why = item, str(path), why
+
+
+def _unreadable(item: str, path, e: BaseException) -> Damaged:
+    """A failed read of a step's item: Damaged, unless the store did not answer (StorageError:
+    a step is never set aside because its store was down)."""
+    why = remote_io.cause(e)
+    if why:
+        raise remote_io.StorageError(path, why, "read") from None
+    return Damaged(item, path, f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+
+
+def _lost_lease(e: BaseException | None):
+    """The LockLostError `e` was raised from (the commit refused by the write guard), or None."""
+    from .rundir import LockLostError
+    for _ in range(10):
+        if e is None or isinstance(e, LockLostError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+# A wait for Orbax's background commit gives up after this long, seconds: every storage call
+# in it is bounded, so a commit still running is stuck (a stalled store gives up sooner).
+COMMIT_WAIT_S = 3600.0
 
 
 def _quiet_closed_loops() -> None:
@@ -294,7 +319,7 @@ def _read_signed_json(item: str, path: Path, digest_key: str) -> dict:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise Damaged(item, path, f"unreadable ({type(e).__name__}: {e})") from None
+        raise _unreadable(item, path, e) from None
     if not isinstance(doc, dict):
         raise Damaged(item, path, "not a JSON object")
     want = doc.pop(digest_key, None)
@@ -311,7 +336,7 @@ def read_ledger(directory: Path, prefix: str) -> LedgerSnapshot:
         index, size = header.pop("arrays"), header.pop("bytes")
         raw = bpath.read_bytes()
     except (KeyError, OSError) as e:
-        raise Damaged("ledger", bpath, f"unreadable ({type(e).__name__}: {e})") from None
+        raise _unreadable("ledger", bpath, e) from None
     if len(raw) != size:
         raise Damaged("ledger", bpath, f"{len(raw)} bytes, the header says {size} (truncated?)")
     arrays = {}
@@ -407,10 +432,15 @@ class Checkpointer:
         self.mngr: ocp.CheckpointManager | None = None  # opened by `open()`: reading needs none
         self.last_blocking_s = 0.0  # time save() held the caller, for ckpt/ metrics
         self._inflight: int | None = None  # the step of the last save started
+        self._stuck = False  # a wait gave up on Orbax's commit thread: it is left running
 
     def open(self) -> None:
-        """Starts writing (creates the directory, clears uncommitted temporaries)."""
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
+        """Starts writing (creates the directory, clears uncommitted temporaries). On an object
+        store old steps are deleted by `prune` instead of Orbax, under the run's lease check."""
+        _quiet_closed_loops()  # a commit given up leaves tensorstore callbacks for its closed loop
+        remote = storage.is_remote(self.directory)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=None if remote else self.keep,
+                                            enable_async_checkpointing=self.async_save,
                                             cleanup_tmp_directories=True, create=True)
         if temporary_path_class(self.directory) is not None:
             opts = dataclasses.replace(opts, temporary_path_class=temporary_path_class(self.directory))
@@ -437,25 +467,45 @@ class Checkpointer:
         it_sha = sha256(IteratorState(iterator_state).get_state())
         self.wait()  # Orbax's save waits for the previous one anyway; this names it if it failed
         self._inflight = step
-        try:
-            self.mngr.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(IteratorState(iterator_state)),
-                ledger=LedgerSave(ledger, step, it_sha),
-                meta=ocp.args.JsonSave(meta)), force=True)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=grain.checkpoint.CheckpointSave(IteratorState(iterator_state)),
+                                  ledger=LedgerSave(ledger, step, it_sha), meta=ocp.args.JsonSave(meta))
+        try:  # on an object store Orbax's own part of the save may wait on the store too
+            if storage.is_remote(self.directory):
+                remote_io.wait_bounded(lambda: self.mngr.save(step, args=args, force=True), "checkpoint save",
+                                       COMMIT_WAIT_S)
+            else:
+                self.mngr.save(step, args=args, force=True)
+        except remote_io.GaveUp as e:
+            self._stuck = True
+            raise self._write_error(step, f"it was given up: {e}") from None
         except OSError as e:
             raise self._write_error(step, e) from None
         self.last_blocking_s = time.perf_counter() - t0
         faults.point("ckpt_saved", step)
 
-    def _write_error(self, step: int | None, e: BaseException) -> CheckpointWriteError:
-        while isinstance(e, Exception) and e.__cause__ is not None and not isinstance(e, OSError):
-            e = e.__cause__
-        steps = self.steps()
-        kept = f"the last committed step ({steps[-1]}) is intact" if steps else "no step was committed before it"
-        return CheckpointWriteError(
+    def _write_error(self, step: int | None, e: BaseException | str) -> Exception:
+        """CheckpointWriteError naming the step and the cause (LockLostError where the run lost
+        its lease: that, not the save, is what stopped it)."""
+        lost = None if isinstance(e, str) else _lost_lease(e)
+        if lost is not None:
+            return lost
+        why = e if isinstance(e, str) else remote_io.cause(e)
+        if why is None:
+            while isinstance(e, Exception) and e.__cause__ is not None and not isinstance(e, OSError):
+                e = e.__cause__
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        try:
+            steps = self.steps() if not remote_io.stalled() else None
+        except Exception:  # noqa: BLE001 - only for the message
+            steps = None
+        kept = ("the last committed step is intact" if steps is None else
+                f"the last committed step ({steps[-1]}) is intact" if steps else "no step was committed before it")
+        err = CheckpointWriteError(
             f"checkpoint {'step ' + str(step) if step is not None else 'save'} in {self.directory} did not "
-            f"commit ({type(e).__name__}: {e}); {kept}: fix the cause and run the same command to resume")
+            f"commit ({why}); {kept}: fix the cause and run the same command to resume")
+        err.store_failed = isinstance(e, str) or remote_io.cause(e) is not None
+        return err
 
     def check_for_errors(self) -> None:
         """Raises CheckpointWriteError if a background save failed (those that fail in Orbax's
@@ -468,11 +518,32 @@ class Checkpointer:
             raise self._write_error(self._inflight, e) from None
 
     def wait(self) -> None:
-        if self.mngr is not None:
-            try:
-                self.mngr.wait_until_finished()
-            except Exception as e:
-                raise self._write_error(self._inflight, e) from None
+        """Waits for the background commit (`remote_io.wait_bounded`: given up on a store that
+        stopped answering, within seconds of a stop request while it stalls, after
+        COMMIT_WAIT_S in any case; the commit thread is then left running)."""
+        if self.mngr is None or self._stuck:
+            return
+        try:
+            remote_io.wait_bounded(self.mngr.wait_until_finished, "checkpoint commit", COMMIT_WAIT_S)
+        except remote_io.GaveUp as e:
+            self._stuck = True
+            raise self._write_error(self._inflight, f"its commit was given up: {e}") from None
+        except Exception as e:
+            raise self._write_error(self._inflight, e) from None
+
+    def prune(self) -> list[int]:
+        """On an object store: deletes the committed steps older than the newest `keep` (returns
+        the steps kept; [] elsewhere, where Orbax deletes them itself), each
+        write passing the run's lease check. A step's commit record goes first, so a deletion
+        cut short leaves an uncommitted step, which is never read."""
+        if self.mngr is None or not storage.is_remote(self.directory):
+            return []
+        steps = self.steps()
+        for s in steps[:-self.keep]:
+            d = step_dir(self.directory, s)
+            storage.remove(d / COMMIT_FILE)
+            storage.remove_tree(d)
+        return steps[-self.keep:]
 
     def close(self) -> None:
         if self.mngr is not None:
@@ -480,7 +551,8 @@ class Checkpointer:
                 self.wait()
             finally:
                 try:
-                    self.mngr.close()
+                    if not self._stuck:
+                        self.mngr.close()
                 except Exception:  # a failed save was reported by wait()
                     pass
                 self.mngr = None
@@ -556,7 +628,7 @@ class Checkpointer:
             raw = path.read_bytes()
             state = json.loads(raw)
         except (OSError, ValueError) as e:
-            raise Damaged("data", path, f"unreadable ({type(e).__name__}: {e})") from None
+            raise _unreadable("data", path, e) from None
         if want is not None and sha256(raw) != want:
             raise Damaged("data", path, "sha256 mismatch with the ledger's record of it")
         if not isinstance(state, dict):
@@ -572,8 +644,10 @@ class Checkpointer:
                 partial_restore=True))
         except (MemoryError, KeyboardInterrupt):
             raise
+        except remote_io.StorageError:
+            raise
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-            raise Damaged("state", d, f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            raise _unreadable("state", d, e) from None
         finally:
             reader.close()
         saved = (meta.get("digests") or {}).get("state")
@@ -631,8 +705,12 @@ def _check_structure(state_dir: Path, abstract_state, cfg: C.Config | None, chan
         saved = _saved_arrays(state_dir)
     except (MemoryError, KeyboardInterrupt):
         raise
+    except remote_io.StorageError:
+        raise
     except Exception as e:
         _quiet_damaged_reads()
+        if remote_io.cause(e):
+            raise _unreadable("state", state_dir, e) from None
         raise Damaged("state", state_dir, f"metadata unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     target = _target_arrays(abstract_state)
     if saved == target:

@@ -14,56 +14,88 @@ tensorstore kvstore it opens there). Does not own: writing, reading or verifying
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.metadata import checkpoint as _ckpt_metadata
+from orbax.checkpoint._src.path import async_path as _async_path
 from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
-from . import storage
+from . import remote_io, storage
 
 ITEMS = ("state", "data", "ledger", "meta")  # the Composite items of every step
+COMMIT_FILE = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # the object that makes a step committed on an object store
 _NAMES = ocp.path.step.standard_name_format()  # the CheckpointManager's default, which train uses
-# Object stores have no rename: Orbax writes the step in place and records its commit in a file
-# (its default on gs://; on s3:// its default rename would be a copy)
-_COMMIT_FILE = ocp.path.atomicity.CommitFileTemporaryPath
+
+
+class _LeasedCommit(ocp.path.atomicity.CommitFileTemporaryPath):
+    """Object stores have no rename: Orbax writes the step in place and records its commit in a
+    file (its default on gs://; on s3:// its default rename would be a copy). Its `finalize`,
+    with the lease checked (`storage.check_write`) right before the commit record is written,
+    after the metadata update that may wait on the store: a run that lost its lease never
+    commits a step after another holder chose where to resume."""
+
+    async def finalize(self):
+        storage.check_write(self.get_final())
+        store = self._checkpoint_metadata_store
+        if store:
+            await asyncio.to_thread(store.wait_until_finished)
+            await asyncio.to_thread(store.update, file_path=_ckpt_metadata.step_metadata_file_path(self._tmp_path),
+                                    commit_timestamp_nsecs=time.time_ns())
+            await asyncio.to_thread(store.wait_until_finished)
+        storage.check_write(self.get_final())
+        await _async_path.write_text(self._final_path / COMMIT_FILE,
+                                     f"Checkpoint commit was successful to {self._final_path}")
+
+
+_COMMIT_FILE = _LeasedCommit
 _REMOTE_NAMES = ocp.path.step.standard_name_format(temporary_path_cls=_COMMIT_FILE)
 
 
-def _route_s3_arrays() -> None:
+def _route_arrays() -> None:
     """Orbax 0.12.8 opens tensorstore kvstores for gs:// and absolute local paths only (an s3://
     directory is refused as relative). Every kvstore spec it builds comes from
     `build_kvstore_tspec`; for an s3:// directory that now returns the spec Orbax builds for the
     same key under gs:// (its object-store layout: OCDBT, no file locking) with each `gcs`
-    kvstore replaced by tensorstore's `s3` one. Other paths are passed through untouched."""
+    kvstore replaced by tensorstore's `s3` one. A gs:// spec gets the retry policy bounded by
+    run.storage_timeout_s (`remote_io.tensorstore_retries`). Local paths pass through untouched."""
     build = _ts_utils.build_kvstore_tspec
     if getattr(build, "routes_s3", False):
         return
 
     def build_kvstore_tspec(directory, name=None, **kwargs):
         d = str(directory)
+        if d.startswith("gs://"):
+            return _gcs_to(build(directory, name, **kwargs), s3=False)
         if not d.startswith("s3://"):
             return build(directory, name, **kwargs)
-        return _gcs_to_s3(build("gs://" + d[len("s3://"):], name, **kwargs))
+        return _gcs_to(build("gs://" + d[len("s3://"):], name, **kwargs), s3=True)
 
     build_kvstore_tspec.routes_s3 = True
     _ts_utils.build_kvstore_tspec = build_kvstore_tspec
 
 
-def _gcs_to_s3(spec):
+def _gcs_to(spec, s3: bool):
+    """`spec` with each gcs kvstore made an s3 one (`s3`) or given the bounded retry policy."""
     if isinstance(spec, list):
-        return [_gcs_to_s3(x) for x in spec]
-    if isinstance(spec, str) and spec.startswith("gs://"):
+        return [_gcs_to(x, s3) for x in spec]
+    if isinstance(spec, str) and spec.startswith("gs://") and s3:
         return storage.tensorstore_kvstore("s3://" + spec[len("gs://"):])
     if not isinstance(spec, dict):
         return spec
     if spec.get("driver") in ("gcs", "gcs_grpc"):
+        if not s3:
+            context = {**spec.get("context", {}), "gcs_request_retries": remote_io.tensorstore_retries()}
+            return {**spec, "context": context}
         rest = {k: v for k, v in spec.items() if k not in ("driver", "bucket", "path")}
         return {**rest, **storage.tensorstore_kvstore(f"s3://{spec['bucket']}/{spec.get('path', '')}")}
-    return {k: _gcs_to_s3(v) for k, v in spec.items()}
+    return {k: _gcs_to(v, s3) for k, v in spec.items()}
 
 
-_route_s3_arrays()
+_route_arrays()
 
 
 def temporary_path_class(ckpt_dir) -> type | None:

@@ -72,6 +72,20 @@ def _err(msg: str, code: int) -> int:
     return code
 
 
+def _stopped(e) -> int:
+    """A storage failure during `train` (exit 1): nothing committed is lost."""
+    return _err(f"{e}; the run was stopped, the last committed checkpoint step is intact: {e.hint} and run the "
+                "same command to resume", 1)
+
+
+def _probe(path: str) -> None:
+    """A read-only command on an object store: a store that cannot be used is named at once."""
+    from . import remote_io, rundir, storage
+    if storage.is_remote(path):
+        remote_io.configure(remote_io.DEFAULT_TIMEOUT_S)
+        rundir.probe_store(path)
+
+
 def _warn(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -123,12 +137,20 @@ def _main(argv: list[str] | None) -> int:
         _parser().print_help()
         return 2
     _keep_off_libtpu(args.cmd)
+    from .remote_io import StorageError
+    if args.cmd in ("audit", "eval", "export"):
+        try:
+            _probe(args.run_dir)
+        except C.ConfigError as e:
+            return _err(str(e), 2)
     if args.cmd == "audit":
         from .audit import AuditError, audit, format_report
         try:
             rep = audit(args.run_dir)
         except (AuditError, OSError, C.ConfigError) as e:
             return _err(str(e), 2)
+        except StorageError as e:
+            return _err(f"{e}; {e.hint}", 2)
         print(json.dumps(rep, indent=1) if args.json else format_report(rep))
         return 0 if rep["ok"] else 1
     if args.cmd == "eval":
@@ -138,6 +160,8 @@ def _main(argv: list[str] | None) -> int:
             step, scores, what = eval_run(args.run_dir, args.step, args.overrides, warn=_warn)
         except (C.ConfigError, DataError, FileNotFoundError, ValueError) as e:
             return _err(str(e), 2)
+        except StorageError as e:
+            return _err(f"{e}; {e.hint}", 2)
         if args.json:
             print(json.dumps({"step": step, **scores}))
         else:
@@ -150,6 +174,8 @@ def _main(argv: list[str] | None) -> int:
             out, step = export(args.run_dir, args.out, step=args.step, warn=_warn)
         except (C.ConfigError, FileNotFoundError, ValueError) as e:
             return _err(str(e), 2)
+        except StorageError as e:
+            return _err(f"{e}; {e.hint}", 2)
         print(f"exported step {step} to {out}")
         return 0
     if args.cmd == "plan":
@@ -165,10 +191,11 @@ def _main(argv: list[str] | None) -> int:
     if cfg.engine.backend == "vllm":
         from .vllm_rollout import split_gpu_memory
         split_gpu_memory(cfg.engine.gpu_memory_utilization)  # before JAX takes a GPU
+    from . import remote_io
     from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
     from .data import DataError
     from .pump import RewardError
-    from .rundir import LockLostError, StorageError, storage_error
+    from .rundir import LockLostError, storage_error
     from .sharding import PeerFailedError, init_distributed
     from .train import train
     init_distributed()
@@ -176,8 +203,10 @@ def _main(argv: list[str] | None) -> int:
         res = train(cfg)
     except (C.ConfigError, DataError, CheckpointError) as e:
         return _err(str(e), 2)
-    except (NonFiniteError, CheckpointWriteError, LockLostError, StorageError, RewardError, PeerFailedError) as e:
+    except (NonFiniteError, CheckpointWriteError, LockLostError, RewardError, PeerFailedError) as e:
         return _err(str(e), 1)
+    except StorageError as e:
+        return _stopped(e)
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
     except MemoryError:
@@ -187,8 +216,11 @@ def _main(argv: list[str] | None) -> int:
         err = storage_error(e.filename or cfg.run.dir, e)
         if not isinstance(err, StorageError):
             raise
-        return _err(str(err), 1)
+        return _stopped(err)
     except Exception as e:
+        why = remote_io.cause(e)  # a library's storage call that no writer named
+        if why:
+            return _stopped(StorageError(cfg.run.dir, why, "storage"))
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         return _err(f"out of device memory ({str(e).splitlines()[0][:300]}); the run was stopped, {_kept(cfg)}", 1)

@@ -45,10 +45,12 @@ class RunConfig:
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
     memory_check: bool = True  # refuse at start-up a model whose estimated memory exceeds what is available
     lease_s: float = 60.0  # gs:// / s3:// run.dir: a run lock not renewed for this long is taken over, seconds
+    storage_timeout_s: float = 300.0  # gs:// / s3:// run.dir: a storage call unanswered this long (with retries) stops the run, seconds
 
     def __post_init__(self):
         _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
         _check(self.lease_s >= 1, "run.lease_s", self.lease_s, "must be >= 1 (seconds; renewed every third of it)")
+        _check(self.storage_timeout_s >= 5, "run.storage_timeout_s", self.storage_timeout_s, "must be >= 5 (seconds)")
 
 
 @dataclass(frozen=True)

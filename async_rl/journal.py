@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import journal_store, storage
+from . import journal_store, remote_io, signals, storage
 from .journal_format import (
     FORMAT,
     Entry,
@@ -44,6 +44,7 @@ from .journal_format import (
     signature,
 )
 from .ledger import Group, Sample, State
+from .rundir import LockLostError
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Journal:
         self._old: dict = {}  # files of earlier sessions -> newest v_min they hold
         self._closed: list = []  # segments of this session cut by a checkpoint (`closed_at`)
         self._failed = False
+        self._sync_failing = False  # the last sync failed (one warning per outage)
         storage.mkdirs(self.dir)
         self._load()
         files = journal_store.segment_files(self.dir)
@@ -366,9 +368,18 @@ class Journal:
         seg.dirty = False  # a write landing during the sync marks it again
         try:
             seg.sync()
+            if self._sync_failing:
+                self.log(f"journal: syncs of {self.dir} work again")
+            self._sync_failing = False
         except Exception as e:  # noqa: BLE001 - a lost sync costs regeneration only, never correctness
             seg.dirty = True
-            self.log(f"warning: journal sync of {seg.path} failed ({e})")
+            # once per failure, and none where the run stops on it anyway: a store that does not
+            # answer (the step loop names it within run.storage_timeout_s) or a lost lease
+            quiet = isinstance(e, (remote_io.StorageError, LockLostError)) or signals.requested()
+            if not (self._sync_failing or quiet):
+                self.log(f"warning: journal sync of {seg.path} failed ({e}); retried at each sync, records are kept "
+                         "in memory meanwhile")
+            self._sync_failing = True
         self.sync_s += time.perf_counter() - t0
 
     def compact(self, committed: int) -> int:
@@ -390,10 +401,15 @@ class Journal:
         return len(paths)
 
     def close(self) -> None:
+        """Stops the threads and syncs what is left; nothing more where the run has abandoned
+        its store (the records lost cost regeneration only)."""
         self._stop.set()
         self._wake.set()
-        for t in self._threads:
-            t.join(timeout=30)
+        deadline = time.monotonic() + 30
+        for t in self._threads:  # a sync in flight ends within its storage call's bound
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        if remote_io.abandoned():
+            return
         with self._sync_lock:
             with self._lock:
                 self._write_buffer()

@@ -3,7 +3,9 @@
 Owns: checking `run.dir` before anything is written (a file, a path under a file, no write
 permission: one-line errors, exit 2), the per-process run lock (a second `train` on a
 directory in use exits 2 naming the holder; the kernel drops a lock whose process died, so
-a SIGKILLed run never blocks its restart), recognising history (lineage, metrics, damaged
+a SIGKILLed run never blocks its restart; on an object store the lock is a lease, see
+`lease`), asking an object store whether it can be used at all (`probe_store`: no
+credentials, no answer, no bucket), recognising history (lineage, metrics, damaged
 steps, checkpoints) so that a directory with history but no restorable step is never
 started over silently, moving that history aside when the user asks for a restart
 (`run.resume=restart`), and writing the small manifests (`config.yaml`, `data.json`,
@@ -23,8 +25,9 @@ import socket
 import time
 from pathlib import Path
 
-from . import storage
+from . import remote_io, storage
 from .config import ConfigError
+from .remote_io import StorageError
 
 # Files and folders that hold a run's history; a fresh start never truncates them.
 HISTORY_GLOBS = ("lineage*.jsonl", "metrics*.jsonl", "drops*.jsonl", "rollouts*.jsonl")
@@ -62,21 +65,45 @@ def check_usable(path: Path) -> None:
         raise RunDirError(f"run.dir={str(path)!r}: {what}")
 
 
-def _check_bucket(path) -> None:
-    """An object-store run.dir: its bucket exists, it is not an object itself, and this
-    process may write there (a probe object is written and deleted)."""
+# A start-up probe of the store gets this long: nothing is at stake yet, so a store that does
+# not answer is named at once rather than after run.storage_timeout_s, seconds.
+PROBE_S = 10.0
+
+
+def probe_store(path) -> None:
+    """An object-store path: the store answers (within PROBE_S) and its bucket exists;
+    RunDirError naming the cause otherwise (no credentials, no answer, no such bucket)."""
     fs, where = storage.filesystem(path), str(path)
-    bucket = where.split("://", 1)[1].split("/", 1)[0]
+    scheme, rest = where.split("://", 1)
+    bucket = rest.split("/", 1)[0]
     try:
-        if not fs.exists(f"{where.split('://')[0]}://{bucket}"):
-            raise RunDirError(f"run.dir={where!r}: bucket {bucket!r} does not exist (or cannot be seen)")
-        if fs.isfile(where):
-            raise RunDirError(f"run.dir={where!r}: is an object, not a prefix")
-        probe = storage.run_path(where) / f".probe-{socket.gethostname()}-{os.getpid()}"
-        storage.write_atomic(probe, b"")
-        storage.remove(probe)
+        with remote_io.limit(PROBE_S):
+            fs.info(f"{scheme}://{bucket}")
+    except FileNotFoundError:
+        raise RunDirError(f"{where}: bucket {bucket!r} does not exist") from None
+    except StorageError as e:
+        raise RunDirError(f"{where}: the store cannot be used ({e.why}); nothing was changed") from None
+
+
+def _check_bucket(path) -> None:
+    """An object-store run.dir: the store answers, its bucket exists, it is not an object
+    itself, and this process may write there (a probe object is written and deleted)."""
+    where = str(path)
+    try:
+        probe_store(path)
+    except RunDirError as e:
+        raise RunDirError(f"run.dir={e}") from None
+    try:
+        with remote_io.limit(PROBE_S):
+            if storage.filesystem(path).isfile(where):
+                raise RunDirError(f"run.dir={where!r}: is an object, not a prefix")
+            probe = storage.run_path(where) / f".probe-{socket.gethostname()}-{os.getpid()}"
+            storage.write_atomic(probe, b"")
+            storage.remove(probe)
     except RunDirError:
         raise
+    except StorageError as e:
+        raise RunDirError(f"run.dir={where}: the store cannot be used ({e.why}); nothing was changed") from None
     except (OSError, ValueError) as e:
         raise RunDirError(f"run.dir={where!r}: cannot be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
             from None
@@ -169,22 +196,16 @@ def write_if_changed(path: Path, text: str) -> None:
         write_atomic(path, text)
 
 
-class StorageError(RuntimeError):
-    """A write to run.dir failed (disk full, I/O error): exit 1 naming the path; the last
-    committed checkpoint step is intact and the next start resumes it."""
-
-    def __init__(self, path, err: OSError, what: str = "write"):
-        self.path = str(path)
-        super().__init__(f"{path}: {what} failed ({err.strerror or err}); the run was stopped, the last "
-                         "committed checkpoint step is intact: free space (or fix the disk) and run the same "
-                         "command to resume")
+DISK_HINT = "free space (or fix the disk)"
 
 
 def storage_error(path, err: OSError, what: str = "write") -> OSError | StorageError:
-    """`err` as a StorageError where it is the disk's fault (ENOSPC, EIO, EDQUOT, EROFS, EFBIG)."""
+    """`err` as a StorageError where it is the disk's fault (ENOSPC, EIO, EDQUOT, EROFS, EFBIG)
+    or the store's (no answer, no credentials: `remote_io.cause`)."""
     if err.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS, errno.EFBIG):
-        return StorageError(path, err, what)
-    return err
+        return StorageError(path, err.strerror or str(err), what, hint=DISK_HINT)
+    why = remote_io.cause(err)
+    return StorageError(path, why, what) if why else err
 
 
 class LockLostError(RuntimeError):
@@ -328,159 +349,10 @@ class RunLock:
                 setattr(self, name, None)
 
 
-class LeaseLock:
-    """The run lock on an object store, which has no flock: a lease object (`.lock`, or
-    `.lock.p<i>` for process i > 0) naming its holder (pid, host, start time, a random
-    token) and when it was last renewed. It is created with a conditional create (GCS
-    `ifGenerationMatch=0`, S3 `If-None-Match: *`: one winner), renewed every third of
-    `lease_s` by a heartbeat thread with a conditional replace of the version it last wrote,
-    and taken over only when it has not been renewed for `lease_s` and then stays unchanged
-    while watched (or at once where its holder's process is gone from this host). A holder
-    whose renewal finds another writer's version stops at its next step boundary (`check`:
-    LockLostError)."""
-
-    def __init__(self, run_dir, process_index: int = 0, lease_s: float = 60.0):
-        self.run_dir = run_dir
-        self.path = run_dir / (".lock" if process_index == 0 else f".lock.p{process_index}")
-        self.lease_s = float(lease_s)
-        self._version: str | None = None
-        self._doc: dict = {}
-        self._lost: str | None = None
-        self._stop = None
-        self._thread = None
-
-    def _read(self) -> tuple[dict, str] | None:
-        got = storage.read_versioned(self.path)
-        if got is None:
-            return None
-        try:
-            doc = json.loads(got[0] or b"{}")
-        except ValueError:
-            doc = {}
-        return (doc if isinstance(doc, dict) else {}), got[1]
-
-    def _stale(self, doc: dict) -> bool:
-        """Not renewed for lease_s (by the reader's clock), or its process is gone from this host."""
-        return self._gone(doc) or time.time() - float(doc.get("renewed", 0)) > float(doc.get("lease_s", self.lease_s))
-
-    @staticmethod
-    def _gone(doc: dict) -> bool:
-        """Its holder's process is gone from this host (certain, whatever the clocks say)."""
-        if doc.get("host") == socket.gethostname() and isinstance(doc.get("pid"), int):
-            try:
-                os.kill(doc["pid"], 0)
-            except ProcessLookupError:
-                return True
-            except OSError:
-                pass
-        return False
-
-    def _watch(self, got: tuple[dict, str], run_dir) -> tuple[dict, str] | None:
-        """A lease that looks expired by this host's clock: taken only if it also stays unchanged
-        for 1.5 of its holder's renewal intervals, timed here. Hosts' clocks may disagree, and a
-        reader whose clock runs ahead would otherwise take a lease its holder still renews."""
-        wait = 1.5 * float(got[0].get("lease_s", self.lease_s)) / 3
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, wait / 6))
-            now = self._read()
-            if now is None:
-                return None  # released meanwhile: created afresh
-            if now[1] != got[1]:
-                raise self._refusal(run_dir, now[0])
-        return got
-
-    @staticmethod
-    def _describe(doc: dict) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["started"])) if "started" in doc else "?"
-        ago = f", renewed {time.time() - float(doc['renewed']):.0f} s ago" if "renewed" in doc else ""
-        return f"pid {doc.get('pid', '?')} on host {doc.get('host', '?')} (since {since}{ago})"
-
-    def holder(self) -> str | None:
-        got = self._read()
-        if got is None or self._stale(got[0]) or got[0].get("token") == self._doc.get("token"):
-            return None
-        return self._describe(got[0])
-
-    def _refusal(self, run_dir, doc: dict) -> RunDirError:
-        return RunDirError(f"run.dir={str(run_dir)!r} is in use by {self._describe(doc)}; wait for that run to end or "
-                           f"stop it (its lock is taken over {self.lease_s:.0f} s after its last renewal; nothing was "
-                           "changed)")
-
-    def ensure_free(self, run_dir) -> None:
-        got = self._read()
-        if got is not None and not self._stale(got[0]):
-            raise self._refusal(run_dir, got[0])
-
-    def _body(self) -> bytes:
-        self._doc["renewed"] = time.time()
-        return json.dumps(self._doc).encode()
-
-    def acquire(self, run_dir) -> None:
-        import uuid
-        self._doc = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                     "token": uuid.uuid4().hex, "lease_s": self.lease_s}
-        got = self._read()
-        if got is not None and not self._stale(got[0]):
-            raise self._refusal(run_dir, got[0])
-        if got is not None and not self._gone(got[0]):
-            got = self._watch(got, run_dir)
-        try:  # a create, or a takeover of exactly the stale version read
-            self._version = storage.replace_if(self.path, self._body(), None if got is None else got[1])
-        except storage.Conflict:
-            now = self._read()
-            raise self._refusal(run_dir, now[0] if now else {}) from None
-        except OSError as e:
-            raise storage_error(self.path, e, "taking the run lock") from None
-        self._start_heartbeat()
-
-    def _start_heartbeat(self) -> None:
-        import threading
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat, name="run-lease", daemon=True)
-        self._thread.start()
-
-    def _heartbeat(self) -> None:
-        every = self.lease_s / 3
-        while not self._stop.wait(every):
-            try:
-                self.renew()
-            except storage.Conflict:
-                now = self._read()
-                self._lost = (f"{self.path}: the run lock was taken by {self._describe(now[0]) if now else 'nobody'} "
-                              "(this run had not renewed it in time); stopped before writing anything more (the last "
-                              "committed checkpoint step is intact)")
-                return
-            except Exception:  # a failed request: tried again at the next beat, while the lease lasts
-                continue
-
-    def renew(self) -> None:
-        """Extends the lease (Conflict where another writer replaced it)."""
-        self._version = storage.replace_if(self.path, self._body(), self._version)
-
-    def check(self, run_dir, log=None) -> None:
-        """At a step boundary: LockLostError if the heartbeat found the lease taken."""
-        if self._lost:
-            raise LockLostError(self._lost)
-
-    def release(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
-            self._thread.join(timeout=30)
-            self._stop = None
-        if self._version is not None and not self._lost:
-            try:  # deleted only while it is still this run's
-                got = self._read()
-                if got is not None and got[0].get("token") == self._doc.get("token"):
-                    storage.remove(self.path)
-            except OSError:
-                pass  # it expires by itself
-            self._version = None
-
-
 def run_lock(run_dir, process_index: int = 0, lease_s: float = 60.0):
     """The run lock for `run_dir`: an flock where it is a local (or shared POSIX) directory,
     a lease object on an object store."""
     if storage.is_remote(run_dir):
+        from .lease import LeaseLock
         return LeaseLock(run_dir, process_index, lease_s)
     return RunLock(run_dir, process_index)

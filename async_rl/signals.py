@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 _active: "Signals | None" = None
 
@@ -33,6 +34,7 @@ def _stderr(msg: str) -> None:
 class Signals:
     def __init__(self):
         self.received: str | None = None
+        self.received_at: float | None = None  # time.monotonic() of the first signal
         self.log = _stderr
         self._old: dict = {}
         self._users = 0
@@ -42,7 +44,7 @@ class Signals:
         if self.received is not None:
             self.log(f"{name} again: exiting now; the last committed checkpoint is intact")
             os._exit(128 + signum)
-        self.received = name
+        self.received, self.received_at = name, time.monotonic()
         self.log(f"{name}: stopping at the next safe point (a second signal exits at once)")
 
 
@@ -58,6 +60,17 @@ def install(log=None) -> Signals:
     if log is not None:
         _active.log = log
     return _active
+
+
+def requested() -> bool:
+    """Was this process asked to stop (a SIGTERM/SIGINT kept by the installed handlers)?"""
+    return _active is not None and _active.received is not None
+
+
+def requested_for() -> float:
+    """Seconds since this process was asked to stop (0 where it was not)."""
+    at = _active.received_at if _active is not None else None
+    return 0.0 if at is None else time.monotonic() - at
 
 
 def reassert() -> None:

@@ -3,14 +3,15 @@
 Owns: telling the two apart, the path object a module joins names onto (`pathlib.Path` for a
 local run directory, `etils.epath.Path` for an object store, which Orbax and Grain take as
 they are), and the primitives every module uses on run.dir: reading, listing, atomic
-replace, exclusive create, and (on object stores) the versioned read and conditional
-replace a lease needs. Local paths keep the POSIX primitives (write to a temporary file and
-rename; O_EXCL); object stores go through fsspec (gcsfs, s3fs; the optional extras
-`async_rl[gcs]`, `async_rl[s3]`), where a single PUT is already atomic and a create is
-conditional (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`); and the tensorstore kvstore
-that Orbax's arrays go to on s3://. Endpoints and credentials come from each client's standard
-environment (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...).
-Does not own: what the files hold, or which module writes which.
+replace, exclusive create, deletion; and, on object stores, the write guard every one of
+those writes calls first (the run's lease check). Local paths keep the POSIX primitives
+(write to a temporary file and rename; O_EXCL); object stores go through fsspec (gcsfs, s3fs;
+the optional extras `async_rl[gcs]`, `async_rl[s3]`), where a single PUT is already atomic
+and a create is conditional (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`); and the
+tensorstore kvstore that Orbax's arrays go to on s3://. Endpoints and credentials come from
+each client's standard environment (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...). Does not
+own: what the files hold, which module writes which, the lease itself (lease), or how long
+a call may take and how its failure is named (remote_io).
 
 See docs/design.md, "Run directories on object storage".
 """
@@ -67,6 +68,9 @@ def _fs(name: str):
             from None
     import fsspec
     import fsspec.config
+
+    from . import remote_io
+    remote_io.ensure()  # every call bounded and named (run.storage_timeout_s)
     # listings are read fresh: another process (or host) may have written since. A config
     # default (applied by every class whose protocols include `name`) reaches the instances
     # Orbax and etils.epath make too, not only ours.
@@ -98,10 +102,12 @@ def tensorstore_kvstore(p) -> dict:
     region = _aws_region()
     if region:
         spec["aws_region"] = region
+    from . import remote_io
+    spec["context"] = {"s3_request_retries": remote_io.tensorstore_retries()}  # bounded by run.storage_timeout_s
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         # the keys the default chain would take first; naming their provider skips its profile
         # lookup, which logs five error lines per checkpoint where there are no profile files
-        spec["context"] = {"aws_credentials": {"type": "environment"}}
+        spec["context"]["aws_credentials"] = {"type": "environment"}
     return spec
 
 
@@ -244,6 +250,8 @@ def cut_log(p, nbytes: int) -> int:
             os.truncate(p, nbytes)
         return max(0, size - nbytes)
     segs, fs = segments(p), filesystem(p)
+    if segs:
+        check_write(p)
     ends = []
     pos = 0
     for u, n in segs:
@@ -265,11 +273,34 @@ def is_log(p) -> bool:
 
 # ---- writing ---------------------------------------------------------------------------
 
+# Writes under an object-store run directory first call its holder's check (the lease:
+# LockLostError once it is lost), so a run that lost its lease writes nothing more.
+_guards: dict[str, object] = {}
+
+
+def guard(root, check) -> None:
+    """Every write under `root` (an object-store run directory) calls `check()` first."""
+    _guards[url(root).rstrip("/") + "/"] = check
+
+
+def unguard(root) -> None:
+    _guards.pop(url(root).rstrip("/") + "/", None)
+
+
+def check_write(p) -> None:
+    """The write guard of the run directory holding `p`, if any (Orbax's commit calls it too)."""
+    if _guards:
+        u = url(p)
+        for root, check in list(_guards.items()):
+            if u.startswith(root):
+                check()
+
 
 def write_atomic(p, data: bytes | str) -> None:
     """Readers see the old content or the new, never a torn write (OSError as raised)."""
     data = data.encode() if isinstance(data, str) else data
     if is_remote(p):
+        check_write(p)
         filesystem(p).pipe_file(url(p), data)  # one PUT: the object appears whole
         return
     p = Path(p)
@@ -285,6 +316,7 @@ def write_atomic(p, data: bytes | str) -> None:
 def create(p, data: bytes) -> bool:
     """Writes `p` only if it does not exist yet; False where it does (another writer won)."""
     if is_remote(p):
+        check_write(p)
         try:
             filesystem(p).pipe_file(url(p), data, mode="create")
         except FileExistsError:
@@ -304,6 +336,7 @@ def create(p, data: bytes) -> bool:
 def remove(p) -> None:
     """Deletes file `p` (nothing where it is gone already)."""
     if is_remote(p):
+        check_write(p)
         try:
             filesystem(p).rm_file(url(p))
         except FileNotFoundError:
@@ -321,82 +354,19 @@ def mkdirs(p) -> None:
 def move(src, dst) -> None:
     """Moves a file or folder (object stores: copy then delete, so not atomic)."""
     if is_remote(src):
+        check_write(src)
         filesystem(src).mv(url(src), url(dst), recursive=True)
     else:
         os.replace(src, dst)
 
 
-# ---- versioned objects (the lease) -----------------------------------------------------
-
-
-class Conflict(Exception):
-    """A conditional write lost: the object was created or changed by another writer."""
-
-
-def read_versioned(p) -> tuple[bytes, str] | None:
-    """(content, version) of object `p`, or None where there is none. The version is the
-    GCS generation or the S3 ETag of exactly the content returned."""
-    name = scheme(p)
-    if name == "gs":
-        blob = _gcs_blob(p)
-        from google.api_core import exceptions as gexc
-        try:
-            data = blob.download_as_bytes()
-        except gexc.NotFound:
-            return None
-        return data, str(blob.generation)
+def remove_tree(p) -> None:
+    """Deletes everything under folder `p` of an object store (nothing where it is gone)."""
     fs = filesystem(p)
-    bucket, key, _ = fs.split_path(url(p))
     try:
-        got = fs.call_s3("get_object", Bucket=bucket, Key=key)
+        found = fs.find(url(p))
     except FileNotFoundError:
-        return None
-    body = got["Body"]
-    import asyncio
-
-    from fsspec.asyn import sync
-    data = sync(fs.loop, body.read) if asyncio.iscoroutinefunction(body.read) else body.read()
-    return data, got["ETag"]
-
-
-def replace_if(p, data: bytes, version: str | None) -> str:
-    """Writes object `p` only if it is still at `version` (None: only if it does not exist);
-    returns the new version, raises Conflict where another writer got there first."""
-    name = scheme(p)
-    if name == "gs":
-        from google.api_core import exceptions as gexc
-        blob = _gcs_blob(p)
-        try:
-            blob.upload_from_string(data, if_generation_match=int(version) if version is not None else 0)
-        except gexc.PreconditionFailed:
-            raise Conflict(url(p)) from None
-        return str(blob.generation)
-    fs = filesystem(p)
-    bucket, key, _ = fs.split_path(url(p))
-    cond = {"IfMatch": version} if version is not None else {"IfNoneMatch": "*"}
-    try:
-        return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
-    except (FileExistsError, OSError) as e:
-        if _precondition(e):
-            raise Conflict(url(p)) from None
-        raise
-
-
-def _precondition(e: BaseException) -> bool:
-    while e is not None:
-        if isinstance(e, FileExistsError) or "PreconditionFailed" in str(e) or "412" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-@functools.lru_cache(maxsize=None)
-def _gcs_client():
-    filesystem("gs://x")  # the extra's check
-    from google.cloud import storage
-    return storage.Client()
-
-
-def _gcs_blob(p):
-    bucket, _, key = url(p)[len("gs://"):].partition("/")
-    return _gcs_client().bucket(bucket).blob(key)
+        return
+    if found:
+        check_write(p)
+        fs.rm([f"{scheme(p)}://{f}" for f in found])

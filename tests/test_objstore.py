@@ -10,8 +10,9 @@ import threading
 import time
 
 import pytest
+from objstore import TINY, last_step, train_proc, wait_past
 
-from async_rl import rundir, storage
+from async_rl import lease, remote_io, rundir, storage
 from async_rl.ckpt_layout import committed_steps, temporary_path_class
 
 
@@ -42,15 +43,15 @@ def test_bucket_missing_or_an_object(bucket):
 
 def test_versioned_replace_has_one_winner(bucket):
     p = storage.run_path(f"{bucket}/lease")
-    assert storage.read_versioned(p) is None
-    storage.replace_if(p, b"a", None)
-    with pytest.raises(storage.Conflict):
-        storage.replace_if(p, b"b", None)
-    data, v = storage.read_versioned(p)
-    storage.replace_if(p, b"c", v)
-    with pytest.raises(storage.Conflict):
-        storage.replace_if(p, b"d", v)  # a stale version loses
-    assert storage.read_versioned(p)[0] == b"c"
+    assert lease.read_versioned(p) is None
+    lease.replace_if(p, b"a", None)
+    with pytest.raises(lease.Conflict):
+        lease.replace_if(p, b"b", None)
+    data, v = lease.read_versioned(p)
+    lease.replace_if(p, b"c", v)
+    with pytest.raises(lease.Conflict):
+        lease.replace_if(p, b"d", v)  # a stale version loses
+    assert lease.read_versioned(p)[0] == b"c"
 
 
 def test_committed_means_orbax_committed(bucket):
@@ -89,8 +90,10 @@ def test_s3_kvstore_from_the_standard_aws_settings(monkeypatch):
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     storage._profile_region.cache_clear()
     storage._profile_endpoint.cache_clear()
+    retries = {"s3_request_retries": remote_io.tensorstore_retries()}
     assert storage.tensorstore_kvstore("s3://b/runs/a/checkpoints") == {"driver": "s3", "bucket": "b",
-                                                                        "path": "runs/a/checkpoints"}
+                                                                        "path": "runs/a/checkpoints",
+                                                                        "context": retries}
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
@@ -98,10 +101,12 @@ def test_s3_kvstore_from_the_standard_aws_settings(monkeypatch):
     spec = ts_utils.build_kvstore_tspec("s3://b/runs/a/checkpoints/3/state", "w", use_ocdbt=False)
     assert spec == {"driver": "s3", "bucket": "b", "path": "runs/a/checkpoints/3/state/w",
                     "endpoint": "http://127.0.0.1:9", "aws_region": "eu-west-1",
-                    "context": {"aws_credentials": {"type": "environment"}}}
+                    "context": {**retries, "aws_credentials": {"type": "environment"}}}
     ocdbt = ts_utils.build_kvstore_tspec("s3://b/c/3/state", ocdbt_process_spec=None)
     assert ocdbt["driver"] == "ocdbt" and ocdbt["base"]["driver"] == "s3" and ocdbt["base"]["path"] == "c/3/state"
     assert ts_utils.build_kvstore_tspec("/abs/c", "w", use_ocdbt=False) == {"driver": "file", "path": "/abs/c/w"}
+    gcs = ts_utils.build_kvstore_tspec("gs://b/c/3/state", "w", use_ocdbt=False)  # Orbax's own, retries bounded
+    assert gcs["driver"] == "gcs" and gcs["context"] == {"gcs_request_retries": remote_io.tensorstore_retries()}
     storage._profile_region.cache_clear()
 
 
@@ -169,12 +174,12 @@ def test_lease_has_one_winner(bucket):
     finally:
         for lk in locks:
             lk.release()
-    assert not storage.exists(run / ".lock")  # released by its holder
+    assert "released" in json.loads(storage.read_text(run / ".lock"))  # released by its holder, not deleted
 
 
 HOLD = """
 import sys, time, types
-from async_rl import rundir, storage
+from async_rl import lease, remote_io, rundir, storage
 {prelude}
 run = storage.run_path(sys.argv[1])
 lock = rundir.run_lock(run, 0, lease_s=float(sys.argv[2]))
@@ -218,10 +223,11 @@ def test_lease_renewed_refused_then_taken_over(bucket):
 
 # HOLD on "another host" whose clock is an hour behind this one's
 SKEWED = """
+from async_rl import lease
 real = time.time
-rundir.time = types.SimpleNamespace(time=lambda: real() - 3600, monotonic=time.monotonic, sleep=time.sleep,
-                                    strftime=time.strftime, localtime=time.localtime)
-rundir.socket = types.SimpleNamespace(gethostname=lambda: "elsewhere")
+lease.time = types.SimpleNamespace(time=lambda: real() - 3600, monotonic=time.monotonic, sleep=time.sleep,
+                                   strftime=time.strftime, localtime=time.localtime)
+lease.socket = types.SimpleNamespace(gethostname=lambda: "elsewhere")
 """
 
 
@@ -301,35 +307,6 @@ def test_logs_are_segments_cut_back_on_resume(bucket, monkeypatch):
     assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0]
 
 
-TINY = ["--config", "configs/tiny.yaml", "log.progress=false", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
-        "model.n_kv_heads=2", "engine.max_concurrent_decodes=16", "rollout.samples_per_prompt=4",
-        "rollout.max_new_tokens=6", "data.max_digits=4", "eval.every_steps=0", "data.num_records=36",
-        "rollout.prompts_per_step=3", "checkpoint.every_steps=1", "run.lease_s=20",
-        "model.learned_positions=0"]  # RoPE: the run can be exported
-
-
-def _train(run: str, cache, kill_at: str = "", delay: str = "") -> subprocess.Popen:
-    env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "async_rl", "train", *TINY, f"run.dir={run}",
-                             f"run.compilation_cache={cache}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
-def _last_step(run) -> int:
-    from async_rl.lineage import read_jsonl
-    return max((r["step"] for r in read_jsonl(storage.run_path(run) / "lineage.jsonl")), default=0)
-
-
-def _wait_past(run: str, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if _last_step(run) > step:
-            return
-        time.sleep(0.3)
-    assert proc.poll() is None, f"the run ended before step {step + 1}: {proc.stderr.read()[-2000:]}"
-    pytest.fail(f"no lineage line past step {step} within {timeout:.0f} s")
-
-
 # CI time: s3:// shares all but its kvstore and lease with gs://; CI kills it twice, the soak 4 times
 KILLED = [pytest.param("gs", 3, marks=pytest.mark.slow, id="gs"),
           pytest.param("s3", 1, marks=pytest.mark.slow, id="s3-twice"),
@@ -352,15 +329,15 @@ def test_run_killed_four_times_resumes_exactly_once(scheme, random_kills, reques
     rng = random.Random(27)
     kills = 0
 
-    p = _train(run, xla_cache, kill_at="ckpt_write:2")  # inside the ledger write of step 2's save
+    p = train_proc(run, xla_cache, kill_at="ckpt_write:2")  # inside the ledger write of step 2's save
     assert p.wait(timeout=600) == -9, p.stderr.read()[-3000:]
     kills += 1
     assert 2 not in committed_steps(ckpt) and storage.listdir(ckpt / "2"), "step 2 should be half-written"
 
     for i in range(random_kills):
-        p = _train(run, xla_cache, delay="step:20" if i == 0 else "step:0.3")  # the first holds while probed
+        p = train_proc(run, xla_cache, delay="step:20" if i == 0 else "step:0.3")  # the first holds while probed
         try:
-            _wait_past(run, p, _last_step(run))
+            wait_past(run, p, last_step(run))
             if i == 0:  # a second train on the prefix in use: exit 2 naming the holder, nothing changed
                 second = subprocess.run([sys.executable, "-m", "async_rl", "train", *TINY, f"run.dir={run}",
                                          f"run.compilation_cache={xla_cache}"], capture_output=True, text=True,
@@ -374,7 +351,7 @@ def test_run_killed_four_times_resumes_exactly_once(scheme, random_kills, reques
         assert code == -9, p.stderr.read()[-3000:]
         kills += 1
 
-    p = _train(run, xla_cache)
+    p = train_proc(run, xla_cache)
     assert p.wait(timeout=900) == 0, p.stderr.read()[-3000:]
     assert kills == 1 + random_kills
     # the commands, in this process (CI time): the audit, eval and export read the run where it is
@@ -383,7 +360,7 @@ def test_run_killed_four_times_resumes_exactly_once(scheme, random_kills, reques
     assert cli.main(["audit", "--json", run]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["finished"] and rep["epochs"][0]["trained_once"] == 36 and not rep["problems"]
-    assert not storage.exists(storage.run_path(run) / ".lock")  # released at the end
+    assert "released" in json.loads(storage.read_text(storage.run_path(run) / ".lock"))  # released at the end
     assert cli.main(["eval", "--json", run, "eval.num_records=16"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == max(committed_steps(ckpt)) == 12
     out = tmp_path / "hf"
