@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections import Counter
 from pathlib import Path
 
-from . import storage
+from . import applog, runfiles, storage
 
 
 class AuditError(ValueError):
@@ -42,14 +41,13 @@ _FIELDS = {"step": 1, "prompt_id": 0, "epoch": 0, "ordinal": 0}  # required int 
 
 
 def _process_of(path: Path) -> int:
-    m = re.fullmatch(r"lineage(?:\.p(\d+))?\.jsonl", path.name)
-    return int(m.group(1) or 0) if m else -1
+    return runfiles.process_of_log(path.name, "lineage")
 
 
 def read_lineage(path: Path) -> list[tuple[int, int, dict]]:
     """(line number, byte offset after the line, row) for every line; AuditError on a bad one."""
     out, offset = [], 0
-    with (io.BytesIO(storage.read_log(path)) if storage.is_remote(path) else open(path, "rb")) as f:
+    with io.BytesIO(applog.read(path)) as f:
         for lineno, raw in enumerate(f, 1):
             offset += len(raw)
             if not raw.strip():
@@ -69,7 +67,7 @@ def read_lineage(path: Path) -> list[tuple[int, int, dict]]:
 
 
 def _manifest(run: Path) -> dict:
-    manifest = run / "data.json"
+    manifest = runfiles.data_manifest(run)
     if not manifest.is_file():
         raise AuditError(f"{manifest}: missing (is {run} a run directory?)")
     try:
@@ -90,10 +88,6 @@ def _checkpoint(run: Path, notes: list[str]) -> dict | None:
         return None
     step, meta, shards = got
     return {"step": step, "shards": shards, "generations": meta.get("generations") or []}
-
-
-def _log_name(i: int) -> str:
-    return "lineage.jsonl" if i == 0 else f"lineage.p{i}.jsonl"
 
 
 def _check_file(path: Path, rows, problems: list[str]) -> None:
@@ -134,7 +128,7 @@ def _check_cut(c: dict, path: Path, rows, problems: list[str]) -> list[int]:
     s, want = c["step"], c["bytes"]
     where = f"the re-partition at step {s}" if c["closed"] else f"checkpoint step {s}"
     who = f"{path}" + (f" (generation {c['gen']})" if c["gen"] or c["closed"] else "")
-    size = storage.log_size(path) if storage.is_remote(path) or path.exists() else None
+    size = applog.size(path) if storage.is_remote(path) or storage.exists(path) else None
     if want >= 0 and size is not None and size < want:
         problems.append(f"{path}: {size} bytes, but {where} recorded {want}: "
                         "lines of trained groups are missing")
@@ -175,7 +169,7 @@ def _check_history(ckpt: dict, files: dict, problems: list[str]) -> list[int]:
                             f"ledgers it read held {held}")
     for c in _cuts(ckpt):
         path, rows = files.get(c["i"], (None, []))
-        after += _check_cut(c, path or Path(_log_name(c["i"])), rows, problems)
+        after += _check_cut(c, path or Path(runfiles.log_name("lineage", c["i"])), rows, problems)
         covered.add((c["gen"], c["i"]))
     newest, s = len(ckpt["generations"]), ckpt["step"]
     for i, (path, rows) in files.items():
@@ -199,7 +193,7 @@ def audit(run_dir: str | Path) -> dict:
     problems: list[str] = []
     notes: list[str] = []
     ckpt = _checkpoint(run, notes)
-    logs = sorted((p for p in storage.glob(run, "lineage*.jsonl") if _process_of(p) >= 0), key=_process_of)
+    logs = sorted((p for p in storage.glob(run, runfiles.log_glob("lineage")) if _process_of(p) >= 0), key=_process_of)
     files = {_process_of(p): (p, read_lineage(p)) for p in logs}
     rows: list[dict] = [r for _, proc_rows in files.values() for _, _, r in proc_rows]
     for path, proc_rows in files.values():
@@ -235,7 +229,7 @@ def audit(run_dir: str | Path) -> dict:
 
 
 def _final(run: Path) -> dict | None:
-    p = run / "final.json"
+    p = runfiles.final(run)
     if not p.is_file():
         return None
     try:

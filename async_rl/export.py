@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import config as C
-from . import faults, hf
+from . import faults, hf, runfiles
 from .saved_run import open_run, read_params
 from .tokenizer import HFTokenizer
 
@@ -98,7 +98,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
     run = open_run(run_dir)
     cfg, tok, vocab = run.cfg, run.tok, run.vocab
     if cfg.model.learned_positions:
-        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {run.run_dir / 'config.yaml'}: "
+        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {runfiles.config(run.run_dir)}: "
                          "a learned position table has no Hugging Face Llama/Qwen2 equivalent; such a run cannot "
                          "be exported")
     step, params = read_params(run, step, warn=warn)

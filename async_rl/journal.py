@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import journal_store, remote_io, signals, storage
+from . import applog, remote_io, runfiles, signals, storage
+from .applog import AppendLog
 from .journal_format import (
     FORMAT,
     Entry,
@@ -55,6 +56,12 @@ class Usage:
     unused: Counter = field(default_factory=Counter)  # reason -> samples not used
 
 
+def segment_files(directory) -> list:
+    """The segments in one process's journal folder, oldest first (each a log: `applog`)."""
+    names = [n for n in storage.listdir(directory) if runfiles.JOURNAL_SEGMENT.fullmatch(n)]
+    return [directory / n for n in sorted(names, key=lambda n: int(n[:-4]))]
+
+
 class Journal:
     """This process's journal: writes this session's finished samples, replays earlier ones.
 
@@ -64,8 +71,8 @@ class Journal:
 
     def __init__(self, run_dir, *, process_index: int, process_count: int, sig: dict, step: int,
                  fsync_every_s: float, bound: int, deterministic: bool, log, drop, generation: int = 0):
-        self.root = run_dir / "journal"
-        self.dir = self.root / f"p{process_index}"
+        self.root = runfiles.journal(run_dir)
+        self.dir = runfiles.journal_dir(run_dir, process_index)
         self.layout = (generation, process_index, process_count)
         self.sig, self.every, self.bound = sig, fsync_every_s, bound
         self.deterministic, self.log, self.drop = deterministic, log, drop
@@ -80,12 +87,12 @@ class Journal:
         self._sync_lock = threading.Lock()  # fdatasync, and closing file descriptors
         self._buf: list[bytes] = []
         self._old: dict = {}  # files of earlier sessions -> newest v_min they hold
-        self._closed: list = []  # segments of this session cut by a checkpoint (`closed_at`)
+        self._closed: dict[AppendLog, int | None] = {}  # segments of this session closed -> the cut that closed them
         self._failed = False
         self._sync_failing = False  # the last sync failed (one warning per outage)
         storage.mkdirs(self.dir)
         self._load()
-        files = journal_store.segment_files(self.dir)
+        files = segment_files(self.dir)
         self._seq = int(files[-1].stem) if files else 0
         self._seg = self._open(step)
         # writes happen on a thread of their own: a write releases the GIL, and the pump would
@@ -101,10 +108,11 @@ class Journal:
 
     def _load(self) -> None:
         _, pi, pc = self.layout
-        for d in storage.glob(self.root, "p*"):
-            j = int(d.name[1:]) if d.name[1:].isdigit() else -1
+        for d in storage.glob(self.root, runfiles.JOURNAL_PROCESS_GLOB):
+            m = runfiles.JOURNAL_PROCESS.fullmatch(d.name)
+            j = int(m.group(1)) if m else -1
             owner = j == pi or (pi == 0 and j >= pc)  # process 0 looks after directories no process owns
-            for path in journal_store.segment_files(d):
+            for path in segment_files(d):
                 seg = read_segment(path)
                 # another process's files only matter when another layout wrote them (its groups
                 # may have been dealt to this process since)
@@ -123,7 +131,7 @@ class Journal:
                             "offset": off, "bytes": n}])
             if seg.torn is not None:
                 off, n = seg.torn
-                storage.cut_log(seg.path, off)
+                applog.cut(seg.path, off)
                 self.log(f"warning: journal {rel}: cut a torn tail of {n} bytes at offset {off} (a write the "
                          "crash interrupted)")
                 self.drop([{"step": self.latest, "reason": "corrupt", "what": "journal", "file": rel,
@@ -272,10 +280,10 @@ class Journal:
 
     def _open(self, step: int):
         self._seq += 1
-        path = self.dir / f"{self._seq:08d}.jrn"
+        path = runfiles.journal_segment(self.dir, self._seq)
         gen, pi, pc = self.layout
         try:
-            seg = journal_store.create(path)
+            seg = AppendLog(path, new=True)
             seg.write(encode_header({"format": FORMAT, "generation": gen, "process": pi, "processes": pc,
                                             "step": step, "time": time.time(), "signature": self.sig}))
         except OSError as e:
@@ -328,7 +336,7 @@ class Journal:
                      "this run (training goes on; a kill now loses the generation since the last checkpoint)")
         self._buf.clear()
         if getattr(self, "_seg", None) is not None:
-            self._closed.append(self._seg)
+            self._closed[self._seg] = None
         self._seg = None
 
     def rotate(self, step: int) -> None:
@@ -340,8 +348,7 @@ class Journal:
             self._write_buffer()
             if self._seg is None:
                 return
-            self._seg.closed_at = step
-            self._closed.append(self._seg)
+            self._closed[self._seg] = step
             self._seg = self._open(step)
 
     def _sync_loop(self) -> None:
@@ -386,8 +393,9 @@ class Journal:
         """Checkpoint `committed` (taken by this session) is on disk: deletes the segments it
         made obsolete. Returns the number of files deleted."""
         with self._sync_lock, self._lock:
-            gone = [s for s in self._closed if s.closed_at is not None and s.closed_at <= committed]
-            self._closed = [s for s in self._closed if s not in gone]
+            gone = [s for s, at in self._closed.items() if at is not None and at <= committed]
+            for s in gone:
+                del self._closed[s]
             for s in gone:
                 s.close()
         # an earlier session's sample with oldest version v can fit no group a resume from
@@ -397,7 +405,7 @@ class Journal:
             del self._old[p]
         paths = [s.path for s in gone] + old
         for p in paths:
-            journal_store.delete(p)
+            applog.delete(p)
         return len(paths)
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import storage
+from . import applog
 from .ledger import Group, Sample
 
 MAGIC = b"\xa5JR1"
@@ -130,7 +130,7 @@ class Segment:
 
 
 def read_segment(path) -> Segment:
-    data = storage.read_log(path)  # a file, or the concatenated parts of one on an object store
+    data = applog.read(path)  # a file, or the concatenated segments of one on an object store
     recs, bad, torn = scan(data)
     header = None
     if recs and recs[0][1][:1] == bytes([KIND_HEADER]):

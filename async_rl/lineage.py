@@ -1,7 +1,7 @@
 """The run's history logs, which follow the checkpoint: lineage, drops and rollouts.
 
-Owns: `JsonlLog` (an append-only JSON-lines file, flushed per append, cut back on resume to
-the byte size a checkpoint recorded), `lineage.jsonl` (one line per consumed group:
+Owns: `JsonlLog` (an append-only JSON-lines log, `applog`'s, written per append, cut back on
+resume to the byte size a checkpoint recorded), `lineage.jsonl` (one line per consumed group:
 trained, or consumed untrained by explicit config with `"filtered": true`), `drops.jsonl`
 (every rollout or group not trained, with its reason: I4), the optional `rollouts.jsonl`
 (every trained sample's tokens), their byte sizes recorded in each checkpoint's ledger
@@ -15,10 +15,10 @@ Does not own: deciding what is trained or dropped (sampler, train) or reading th
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from . import storage
+from . import applog, runfiles, storage
+from .applog import AppendLog
 from .ledger import Group
 from .rundir import storage_error
 
@@ -29,105 +29,58 @@ def _encode(rows: list[dict]) -> bytes:
     return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
 
 
-def open_log(path):
-    """A JSON-lines log at `path`: an append-only file, or segment objects on an object store."""
-    return SegmentLog(path) if storage.is_remote(path) else JsonlLog(path)
-
-
-class SegmentLog:
-    """A JSON-lines log on an object store (no append there): each append is one new segment
-    object under `path/`, read back in order (`storage.read_log`); its length, cut-back and
-    checkpoint record work as JsonlLog's."""
+class JsonlLog:
+    """An append-only JSON-lines log (`applog.AppendLog`: a file, or segment objects on an
+    object store) whose valid length is recorded in checkpoints; a failed open or append is
+    named by `storage_error`."""
 
     def __init__(self, path):
-        self.path = path
-        segs = storage.segments(path)
-        self._size = sum(n for _, n in segs)
-        self._seq = int(segs[-1][0].rsplit("/", 1)[-1]) if segs else 0
-
-    def truncate(self, nbytes: int) -> int:
-        cut = storage.cut_log(self.path, nbytes)
-        self._size = storage.log_size(self.path)
-        return cut
-
-    def append(self, rows: list[dict]) -> None:
-        if rows:
-            data = _encode(rows)
-            self._seq += 1
-            where = self.path / storage.segment_name(self._seq)
-            try:  # one PUT: the segment appears whole or not at all
-                storage.write_atomic(where, data)
-            except OSError as e:
-                raise storage_error(where, e) from None
-            self._size += len(data)
-
-    def tell(self) -> int:
-        return self._size
-
-    def close(self) -> None:
-        pass
-
-
-class JsonlLog:
-    """An append-only JSON-lines file whose valid length is recorded in checkpoints."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
+        self.path = storage.run_path(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # unbuffered: a failed write (disk full) is raised by the append that made it and
-            # leaves nothing queued in the process for close() to fail on again
-            self._f = open(self.path, "ab", buffering=0)
+            storage.mkdirs(self.path.parent)
+            self._log = AppendLog(path)
         except OSError as e:
-            raise storage_error(self.path, e, "opening") from None
+            raise storage_error(path, e, "opening") from None
 
     def truncate(self, nbytes: int) -> int:
-        """Cuts the file back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
-        self._f.flush()
-        size = self.path.stat().st_size
-        if size > nbytes:
-            os.truncate(self.path, nbytes)
-        self._f.seek(0, os.SEEK_END)
-        return max(0, size - nbytes)
+        """Cuts the log back to `nbytes` (lines written after that checkpoint); returns bytes cut."""
+        return self._log.truncate(nbytes)
 
     def append(self, rows: list[dict]) -> None:
         if rows:
-            data = memoryview(_encode(rows))
-            try:  # written at once: survives SIGKILL of this process (the OS holds the page)
-                while data:
-                    data = data[self._f.write(data):]
+            try:  # written at once: survives SIGKILL of this process (the OS holds the page, or the PUT landed)
+                self._log.append(_encode(rows))
             except OSError as e:
                 raise storage_error(self.path, e) from None
 
     def tell(self) -> int:
-        self._f.flush()
-        return self._f.tell()
+        return self._log.tell()
 
     def close(self) -> None:
-        self._f.close()
+        self._log.close()
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path) -> list[dict]:
     out = []
-    for line in storage.read_log(path).decode().splitlines():
+    for line in applog.read(path).decode().splitlines():
         if line.strip():
             out.append(json.loads(line))
     return out
 
 
 class RunLogs:
-    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer, suffix: str = "", generation: int = 0):
-        """`suffix` (".p1", ...) names the logs of process i > 0 of a multi-host job; `generation`
+    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer, process: int = 0, generation: int = 0):
+        """`process` (> 0 for process i of a multi-host job) picks the logs' names; `generation`
         (how many times the run was re-partitioned onto another process count) tags each line
         after the first, since ordinals count from 0 again in each generation."""
         self.tok = tokenizer
         self.gen = generation
-        self.lineage = open_log(run_dir / f"lineage{suffix}.jsonl")
-        self.drops = open_log(run_dir / f"drops{suffix}.jsonl")
-        self.rollouts = open_log(run_dir / f"rollouts{suffix}.jsonl") if rollouts else None
+        self.lineage = JsonlLog(runfiles.lineage(run_dir, process))
+        self.drops = JsonlLog(runfiles.drops(run_dir, process))
+        self.rollouts = JsonlLog(runfiles.rollouts(run_dir, process)) if rollouts else None
         # with rollouts off the file keeps what earlier sessions wrote: its size is still
         # recorded at each cut, so that turning them on again later cuts nothing of it
-        self._rollouts_off = None if rollouts else run_dir / f"rollouts{suffix}.jsonl"
+        self._rollouts_off = None if rollouts else runfiles.rollouts(run_dir, process)
 
     def _logs(self):
         return [(n, getattr(self, n)) for n in LOGS if getattr(self, n) is not None]
@@ -136,7 +89,7 @@ class RunLogs:
         """Byte sizes for the checkpoint's meta (call at the cut)."""
         sizes = {f"{n}_bytes": log.tell() for n, log in self._logs()}
         if self._rollouts_off is not None:
-            sizes["rollouts_bytes"] = storage.log_size(self._rollouts_off)
+            sizes["rollouts_bytes"] = applog.size(self._rollouts_off)
         return sizes
 
     def cut_to(self, meta: dict | None, warn) -> int:
@@ -145,7 +98,7 @@ class RunLogs:
         cut = 0
         off = self._rollouts_off
         if off is not None and (not meta or "rollouts_bytes" in meta):
-            storage.cut_log(off, int(meta["rollouts_bytes"]) if meta else 0)
+            applog.cut(off, int(meta["rollouts_bytes"]) if meta else 0)
         for n, log in self._logs():
             if meta and n == "rollouts" and "rollouts_bytes" not in meta:
                 continue  # a checkpoint from before this size was recorded with rollouts off: keep all

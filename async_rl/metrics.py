@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from . import storage
-from .lineage import open_log, read_jsonl
+from . import runfiles, storage
+from .lineage import JsonlLog, read_jsonl
 
 
 class StepClock:
@@ -118,14 +118,14 @@ class MetricsSink:
                "perf/learner_idle_frac", "rollout/staleness_mean")
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
-                 start_step: int, console=print, name: str = "metrics.jsonl", wandb=None):
-        self.jsonl = open_log(run_dir / name)
+                 start_step: int, console=print, process: int = 0, wandb=None):
+        self.jsonl = JsonlLog(runfiles.metrics(run_dir, process))
         self.wandb = wandb  # a wandb_log.WandbLog: every step W&B does not have yet
         self.every, self.console = every, console
         self.tb = None
         if tensorboard:
             from .tbwriter import EventWriter  # written on this thread: a full disk raises, never hangs
-            self.tb = EventWriter(run_dir / "tb", purge_step=start_step + 1)
+            self.tb = EventWriter(runfiles.tb(run_dir), purge_step=start_step + 1)
         self.progress = None
         if progress:
             from rich.console import Console

@@ -17,19 +17,17 @@ See docs/design.md, "Elastic resume".
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 
 import jax
 
+from . import applog, runfiles, storage
 from . import data as data_mod
-from . import storage
 from .checkpoint import Restored, saved_processes
 from .ledger import Group, Ledger, LedgerSnapshot
 
 _COUNTERS = ("trained_groups", "trained_tokens", "regenerated_groups", "regenerated_tokens")
-_PROCESS_LOG = re.compile(r"(lineage|drops|rollouts|metrics)\.p(\d+)\.jsonl")
 
 
 def restore_data(parts, restored: Restored, log) -> None:
@@ -178,18 +176,18 @@ def cut_inactive_logs(run_dir: Path, generations: list, processes: int) -> int:
     wrote come back from the ledger. Returns the bytes cut."""
     frozen = generations[-1]["frozen_logs"] if generations else {}
     cut = 0
-    for path in storage.glob(run_dir, "*.p*.jsonl"):
-        m = _PROCESS_LOG.fullmatch(path.name)
-        if not m or int(m.group(2)) < processes:
+    for name in storage.listdir(run_dir):
+        m = runfiles.PER_PROCESS_LOG.fullmatch(name)
+        if not m or int(m.group(2) or 0) < processes:
             continue
         sizes = frozen.get(m.group(2))
         want = 0 if sizes is None else sizes.get(f"{m.group(1)}_bytes")
         if want is not None:
-            cut += storage.cut_log(path, int(want))
+            cut += applog.cut(run_dir / name, int(want))
     return cut
 
 
 def count_note(run_dir: Path) -> str:
     """For an error about the process count: the count the run's newest checkpoint was written by."""
-    got = saved_processes(storage.run_path(run_dir) / "checkpoints")
+    got = saved_processes(runfiles.checkpoints(storage.run_path(run_dir)))
     return f"; checkpoint step {got[0]} in {run_dir} was written by {got[1]} process(es)" if got else ""

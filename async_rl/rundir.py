@@ -25,20 +25,15 @@ import socket
 import time
 from pathlib import Path
 
-from . import remote_io, storage
+from . import applog, remote_io, runfiles, storage
 from .config import ConfigError
 from .remote_io import StorageError
 
-# Files and folders that hold a run's history; a fresh start never truncates them.
-HISTORY_GLOBS = ("lineage*.jsonl", "metrics*.jsonl", "drops*.jsonl", "rollouts*.jsonl")
-HISTORY_DIRS = ("checkpoints", "damaged", "tb", "journal", "wandb")
-MANIFESTS = ("config.yaml", "data.json", "final.json", "reward.png", ".checkpointed", "wandb.json")
-# Written once a checkpoint of the run is seen committed: from then on its logs are history
-# that a checkpoint covered, and a directory that has lost every step is never started over.
-MARKER = ".checkpointed"
-# Written before a restart moves anything, removed after: names the folder it moves into,
-# so that a restart killed half-way is recognised and finished, never resumed from.
-RESTARTING = ".restarting"
+# runfiles.MARKER is written once a checkpoint of the run is seen committed: from then on its
+# logs are history that a checkpoint covered, and a directory that has lost every step is
+# never started over. runfiles.RESTARTING is written before a restart moves anything and
+# removed after: it names the folder it moves into, so that a restart killed half-way is
+# recognised and finished, never resumed from.
 
 
 class RunDirError(ConfigError):
@@ -97,7 +92,7 @@ def _check_bucket(path) -> None:
         with remote_io.limit(PROBE_S):
             if storage.filesystem(path).isfile(where):
                 raise RunDirError(f"run.dir={where!r}: is an object, not a prefix")
-            probe = storage.run_path(where) / f".probe-{socket.gethostname()}-{os.getpid()}"
+            probe = runfiles.probe(storage.run_path(where), socket.gethostname(), os.getpid())
             storage.write_atomic(probe, b"")
             storage.remove(probe)
     except RunDirError:
@@ -120,11 +115,11 @@ def history(path: Path) -> dict[str, int]:
     if not storage.is_dir(p):
         return out
     names = storage.listdir(p)
-    for pattern in HISTORY_GLOBS:
-        n = sum(1 for f in storage.glob(p, pattern) if storage.is_log(f))
+    for pattern in runfiles.HISTORY:
+        n = sum(1 for f in storage.glob(p, pattern) if applog.has_bytes(f))
         if n:
             out[pattern.split("*")[0]] = n
-    for name in HISTORY_DIRS:
+    for name in runfiles.HISTORY_DIRS:
         n = _nonempty(p / name) if name in names else 0
         if n:
             out[name] = n
@@ -133,11 +128,11 @@ def history(path: Path) -> dict[str, int]:
 
 def durable(path: Path) -> bool:
     """Did a checkpoint ever cover this run's logs? (marker written, or damaged steps set aside)"""
-    return storage.is_file(path / MARKER) or _nonempty(path / "damaged") > 0
+    return storage.is_file(runfiles.marker(path)) or _nonempty(runfiles.damaged(path)) > 0
 
 
 def mark_checkpointed(path: Path, step: int) -> None:
-    p = path / MARKER
+    p = runfiles.marker(path)
     if not storage.is_file(p):
         write_atomic(p, json.dumps({"first_committed_step": step, "time": time.time()}))
 
@@ -149,12 +144,12 @@ def describe(hist: dict[str, int]) -> str:
 def interrupted_restart(path: Path) -> Path | None:
     """The folder an interrupted run.resume=restart was moving the history into, or None."""
     try:
-        dest = json.loads(storage.read_text(path / RESTARTING))["dest"]
+        dest = json.loads(storage.read_text(runfiles.restarting(path)))["dest"]
         return storage.run_path(dest) if storage.is_remote(path) else Path(dest)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return path / "previous"  # torn: still a restart that did not finish
+        return runfiles.previous(path)  # torn: still a restart that did not finish
 
 
 def archive_history(path: Path) -> Path:
@@ -164,22 +159,23 @@ def archive_history(path: Path) -> Path:
 
     p = path
     dest = interrupted_restart(p)
-    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(p / "previous"):
-        dest = p / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(runfiles.previous(p)):
+        dest = runfiles.previous(p) / time.strftime("%Y%m%d-%H%M%S")
         n = 0
         while storage.exists(dest):
             n += 1
             dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
         storage.mkdirs(dest)
-        write_atomic(p / RESTARTING, json.dumps({"dest": str(dest), "time": time.time()}))
-    names = [f.name for g in HISTORY_GLOBS for f in storage.glob(p, g)] + list(HISTORY_DIRS) + list(MANIFESTS)
+        write_atomic(runfiles.restarting(p), json.dumps({"dest": str(dest), "time": time.time()}))
+    names = [f.name for g in runfiles.HISTORY for f in storage.glob(p, g)] + list(runfiles.HISTORY_DIRS) \
+        + list(runfiles.MANIFESTS)
     moved = 0
     for name in names:
         if storage.exists(p / name):
             storage.move(p / name, dest / name)
             moved += 1
             faults.point("restart", moved)
-    storage.remove(p / RESTARTING)
+    storage.remove(runfiles.restarting(p))
     return dest
 
 
@@ -224,7 +220,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path, process_index: int = 0):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / (".lock" if process_index == 0 else f".lock.p{process_index}")
+        self.path = runfiles.lock(self.run_dir, process_index)
         self.on_dir = process_index == 0
         self._fd: int | None = None
         self._dir_fd: int | None = None

@@ -4,14 +4,15 @@ Owns: telling the two apart, the path object a module joins names onto (`pathlib
 local run directory, `etils.epath.Path` for an object store, which Orbax and Grain take as
 they are), and the primitives every module uses on run.dir: reading, listing, atomic
 replace, exclusive create, deletion; and, on object stores, the write guard every one of
-those writes calls first (the run's lease check). Local paths keep the POSIX primitives
+those writes calls first (the run's lease check). Reading, listing and deleting go through
+fsspec's filesystem object on either kind (`locate`); local writes keep the POSIX primitives
 (write to a temporary file and rename; O_EXCL); object stores go through fsspec (gcsfs, s3fs;
 the optional extras `async_rl[gcs]`, `async_rl[s3]`), where a single PUT is already atomic
 and a create is conditional (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`); and the
 tensorstore kvstore that Orbax's arrays go to on s3://. Endpoints and credentials come from
 each client's standard environment (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...). Does not
-own: what the files hold, which module writes which, the lease itself (lease), or how long
-a call may take and how its failure is named (remote_io).
+own: what the files hold or their names (runfiles), logs (applog), the lease itself (lease),
+or how long a call may take and how its failure is named (remote_io).
 
 See docs/design.md, "Run directories on object storage".
 """
@@ -148,25 +149,39 @@ def _profile_region() -> str | None:
 # ---- reading ---------------------------------------------------------------------------
 
 
+def locate(p):
+    """(fsspec filesystem, path in it) for `p`: the run's configured client on an object store
+    (one instance per scheme, bounded by remote_io), the local filesystem otherwise."""
+    if is_remote(p):
+        return filesystem(p), url(p)
+    import fsspec.core
+    return fsspec.core.url_to_fs(os.fspath(p))
+
+
 def exists(p) -> bool:
-    return filesystem(p).exists(url(p)) if is_remote(p) else Path(p).exists()
+    fs, where = locate(p)
+    return fs.exists(where)
 
 
 def is_file(p) -> bool:
-    return filesystem(p).isfile(url(p)) if is_remote(p) else Path(p).is_file()
+    fs, where = locate(p)
+    return fs.isfile(where)
 
 
 def is_dir(p) -> bool:
-    return filesystem(p).isdir(url(p)) if is_remote(p) else Path(p).is_dir()
+    fs, where = locate(p)
+    return fs.isdir(where)
 
 
 def size(p) -> int:
     """Bytes in file `p`; FileNotFoundError where there is none."""
-    return int(filesystem(p).info(url(p))["size"]) if is_remote(p) else Path(p).stat().st_size
+    fs, where = locate(p)
+    return int(fs.info(where)["size"])
 
 
 def read_bytes(p) -> bytes:
-    return filesystem(p).cat_file(url(p)) if is_remote(p) else Path(p).read_bytes()
+    fs, where = locate(p)
+    return fs.cat_file(where)
 
 
 def read_text(p) -> str:
@@ -174,101 +189,20 @@ def read_text(p) -> str:
 
 
 def listdir(p) -> list[str]:
-    """Names directly under `p` (files and folders), sorted; [] where there is nothing."""
-    if not is_remote(p):
-        return sorted(os.listdir(p)) if Path(p).is_dir() else []
-    fs = filesystem(p)
+    """Names directly under folder `p` (files and folders), sorted; [] where there is nothing."""
+    fs, where = locate(p)
     try:
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(url(p), detail=False)} - {""})
-    except FileNotFoundError:
+        entries = fs.ls(where, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    # a file lists itself (a local one by its own path): no names under it
+    return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != where.rstrip("/")} - {""})
 
 
 def glob(p, pattern: str) -> list:
     """Paths under `p` whose names match `pattern` (one level), sorted."""
     import fnmatch
     return [p / n for n in listdir(p) if fnmatch.fnmatchcase(n, pattern)]
-
-
-# ---- logs: a file locally, ordered segment objects on an object store -------------------
-
-# An object store has no append: a log `name.jsonl` there is the folder `name.jsonl/` of
-# segment objects `<seq>` (one per append), read back in order and concatenated.
-SEGMENT_DIGITS = 10
-
-
-def segments(p) -> list[tuple[str, int]]:
-    """(url, bytes) of each segment of log `p` on an object store, in order."""
-    fs = filesystem(p)
-    try:
-        entries = fs.ls(url(p), detail=True)
-    except FileNotFoundError:
-        return []
-    out = []
-    for e in entries:
-        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
-        if e.get("type") == "file" and len(name) == SEGMENT_DIGITS and name.isdigit():
-            out.append((f"{scheme(p)}://{e['name']}", int(e["size"])))
-    return sorted(out)
-
-
-def segment_name(seq: int) -> str:
-    return f"{seq:0{SEGMENT_DIGITS}d}"
-
-
-def read_log(p) -> bytes:
-    """The whole content of log `p` (b"" where there is none)."""
-    if not is_remote(p):
-        try:
-            return Path(p).read_bytes()
-        except FileNotFoundError:
-            return b""
-    fs = filesystem(p)
-    out = []
-    for u, _ in segments(p):
-        try:
-            out.append(fs.cat_file(u))
-        except FileNotFoundError:  # cut by a resume while read: a cut deletes from the end
-            break
-    return b"".join(out)
-
-
-def log_size(p) -> int:
-    """Bytes in log `p` (0 where there is none)."""
-    if not is_remote(p):
-        return Path(p).stat().st_size if Path(p).is_file() else 0
-    return sum(n for _, n in segments(p))
-
-
-def cut_log(p, nbytes: int) -> int:
-    """Cuts log `p` back to its first `nbytes`; returns the bytes cut. On an object store the
-    segments past the cut go from the last backwards, so a cut stopped half-way leaves a
-    shorter log with no gap, and the next cut finishes it."""
-    if not is_remote(p):
-        size = log_size(p)
-        if size > nbytes:
-            os.truncate(p, nbytes)
-        return max(0, size - nbytes)
-    segs, fs = segments(p), filesystem(p)
-    if segs:
-        check_write(p)
-    ends = []
-    pos = 0
-    for u, n in segs:
-        ends.append((u, pos, n))
-        pos += n
-    cut = max(0, pos - nbytes)
-    for u, start, n in reversed(ends):
-        if start >= nbytes:
-            fs.rm_file(u)
-        elif start + n > nbytes:
-            fs.pipe_file(u, fs.cat_file(u)[:nbytes - start])
-    return cut
-
-
-def is_log(p) -> bool:
-    """Whether log `p` exists with at least one byte."""
-    return log_size(p) > 0
 
 
 # ---- writing ---------------------------------------------------------------------------
@@ -294,6 +228,10 @@ def check_write(p) -> None:
         for root, check in list(_guards.items()):
             if u.startswith(root):
                 check()
+
+
+# write_atomic, create and move keep a local directory on os calls: an atomic rename and an
+# O_EXCL create are the point there, and fsspec's local filesystem promises neither.
 
 
 def write_atomic(p, data: bytes | str) -> None:
@@ -335,20 +273,19 @@ def create(p, data: bytes) -> bool:
 
 def remove(p) -> None:
     """Deletes file `p` (nothing where it is gone already)."""
-    if is_remote(p):
-        check_write(p)
-        try:
-            filesystem(p).rm_file(url(p))
-        except FileNotFoundError:
-            pass
-    else:
-        Path(p).unlink(missing_ok=True)
+    fs, where = locate(p)
+    check_write(p)
+    try:
+        fs.rm_file(where)
+    except FileNotFoundError:
+        pass
 
 
 def mkdirs(p) -> None:
     """A directory for `p` (object stores have none: nothing to do)."""
     if not is_remote(p):
-        Path(p).mkdir(parents=True, exist_ok=True)
+        fs, where = locate(p)
+        fs.makedirs(where, exist_ok=True)
 
 
 def move(src, dst) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import chat_template, faults, hf, memory, remote_io, reshard, rewards, rundir, sharding, storage
+from . import chat_template, faults, hf, memory, remote_io, reshard, rewards, rundir, runfiles, sharding, storage
 from . import config as C
 from . import data as data_mod
 from . import journal as journal_mod
@@ -225,7 +225,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
                     seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call,
                     tensor=cfg.engine.tensor, windows=not cfg.run.determinism, all_devices=devices.engine_all)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
+    ckpt = Checkpointer(runfiles.checkpoints(run_dir), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,
                  eval_set=eval_set)
@@ -255,7 +255,7 @@ def choose_start(parts: Parts, log) -> Start:
         if choice.restored is not None:
             return _resumed(parts, choice.restored, damaged, log)
     if cfg.run.resume == "must":
-        raise ConfigError(f"run.resume=must: no restorable checkpoint in {run_dir / 'checkpoints'} "
+        raise ConfigError(f"run.resume=must: no restorable checkpoint in {runfiles.checkpoints(run_dir)} "
                           "(nothing was changed)")
     hist = rundir.history(run_dir)
     fresh = Start(step=0, ledger=Ledger(cfg.rollout.samples_per_prompt), state=None, damaged=damaged)
@@ -296,14 +296,14 @@ def take(parts: Parts, start: Start, log) -> None:
         dest = rundir.archive_history(run_dir)
         log(f"run.resume=restart: moved the previous history of {run_dir} to {dest}; starting over")
     for d in start.damaged if not start.restart else []:
-        dest = run_dir / "damaged" / f"step_{d.step}_{int(time.time())}"
+        dest = runfiles.damaged_step(run_dir, d.step, int(time.time()))
         if primary and storage.is_remote(run_dir):
             faults.point("set_aside", d.step)
-            storage.move(parts.ckpt.directory / str(d.step), dest)
+            storage.move(runfiles.step(run_dir, d.step), dest)
         elif primary:
             dest.parent.mkdir(parents=True, exist_ok=True)
             faults.point("set_aside", d.step)
-            shutil.move(str(parts.ckpt.directory / str(d.step)), dest)
+            shutil.move(str(runfiles.step(run_dir, d.step)), dest)
         log(f"warning: checkpoint step {d.step} set aside in {dest} ({d.why})")
     sharding.agree([1])  # every process sees the moves before opening the manager
     parts.ckpt.open()
@@ -311,8 +311,8 @@ def take(parts: Parts, start: Start, log) -> None:
         cut = reshard.cut_inactive_logs(run_dir, parts.generations, jax.process_count())
         if cut:
             log(f"cut {cut} bytes of the logs of processes this run no longer has (written after its checkpoint)")
-        rundir.write_if_changed(run_dir / "config.yaml", C.to_yaml(cfg))
-        rundir.write_if_changed(run_dir / "data.json", json.dumps({
+        rundir.write_if_changed(runfiles.config(run_dir), C.to_yaml(cfg))
+        rundir.write_if_changed(runfiles.data_manifest(run_dir), json.dumps({
             "prompt_ids": [int(i) for i in parts.pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
             "records_per_epoch": int(parts.pd.records_per_epoch), "bad_records": len(parts.pd.bad_records)}))
         _announce_drops(cfg, parts.pd, log)
@@ -332,7 +332,7 @@ class Session:
         self.pc, self.primary = jax.process_count(), pi == 0
         self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
         self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
-                            suffix=f".p{pi}" if pi else "", generation=len(parts.generations))
+                            process=pi, generation=len(parts.generations))
         saved_logs = start.restored.ledger.header.get("logs") if start.restored else None
         cut = self.logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
         self.ledger, self.state, self.step = start.ledger, start.state, start.step
@@ -345,7 +345,7 @@ class Session:
         self.last_saved = start.step if start.restored else -1
         self.ref_params = self.learner.init_params() if self.learner.use_ref else None
         if self.primary and not storage.is_remote(parts.run_dir):
-            dropped = cut_events(parts.run_dir / "tb", start.step)
+            dropped = cut_events(runfiles.tb(parts.run_dir), start.step)
             if dropped:
                 log(f"cut {dropped} TensorBoard events logged after step {start.step} (not covered by its checkpoint)")
         self.last_step = _total_steps(cfg, parts.pd)  # where max_steps or the data ends the run
@@ -353,7 +353,7 @@ class Session:
                                 progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
                                 every=cfg.log.every_steps, total_steps=self.last_step,
                                 start_step=start.step, console=log,
-                                name="metrics.jsonl" if self.primary else f"metrics.p{pi}.jsonl",
+                                process=pi,
                                 wandb=self._wandb(cfg, parts.run_dir, log) if cfg.log.wandb and self.primary else None)
         self.sink.cut(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
         self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,
@@ -454,7 +454,7 @@ class Session:
         step trains on and keeps the row; one with no checkpoint starts over and scores again."""
         if self.evaluator is None or not self.cfg.eval.at_start or self.step != 0:
             return
-        kept = [r for r in read_jsonl(self.parts.run_dir / "metrics.jsonl")
+        kept = [r for r in read_jsonl(runfiles.metrics(self.parts.run_dir))
                 if r.get("step") == 0 and r.get("eval/accuracy") is not None]
         row = {k: v for k, v in kept[-1].items() if k not in ("step", "time")} if kept else self.evaluate()
         if not kept:
@@ -547,7 +547,7 @@ class Session:
     def _commit(self, groups: list, cut: list) -> None:
         """The step's groups leave the ledger and enter the lineage log (this process's share)."""
         if self.trained == 1 and self.primary:
-            storage.remove(self.parts.run_dir / "final.json")  # the run goes on past its end
+            storage.remove(runfiles.final(self.parts.run_dir))  # the run goes on past its end
         with self.ledger.lock:
             self.ledger.commit(groups)
             self.logs.trained(self.step, groups)
@@ -708,19 +708,19 @@ def report(parts: Parts, s: Session, log) -> RunResult:
                     fingerprint=fp, reward_first=rewards_seen[0] if rewards_seen else None,
                     reward_last=float(np.mean(rewards_seen[-5:])) if rewards_seen else None, history=s.history)
     if s.primary:
-        rundir.write_atomic(parts.run_dir / "final.json", json.dumps({
+        rundir.write_atomic(runfiles.final(parts.run_dir), json.dumps({
             "step": s.step, "fingerprint": fp, "reason": s.reason, "exhausted": exhausted,
             "complete_epochs": complete}))
         log(f"params fingerprint: {fp}")
         try:  # the run's kept rows: a resumed session's "before" is the run's first eval, not its own
-            all_rows = read_jsonl(parts.run_dir / "metrics.jsonl")
+            all_rows = read_jsonl(runfiles.metrics(parts.run_dir))
         except (OSError, ValueError):
             all_rows = s.history
         try:
-            if cfg.log.plot and plot_rewards(all_rows, parts.run_dir / "reward.png"):
-                log(f"reward curve: {parts.run_dir / 'reward.png'}")
+            if cfg.log.plot and plot_rewards(all_rows, runfiles.reward_plot(parts.run_dir)):
+                log(f"reward curve: {runfiles.reward_plot(parts.run_dir)}")
         except Exception as e:  # noqa: BLE001 - the run is saved; only the picture is missing
-            log(f"warning: {parts.run_dir / 'reward.png'} not written ({getattr(e, 'strerror', None) or e})")
+            log(f"warning: {runfiles.reward_plot(parts.run_dir)} not written ({getattr(e, 'strerror', None) or e})")
         run_rows = [r for r in all_rows if r.get("step", 0) <= s.step]
         _report(cfg, res, run_rows or s.history, time.perf_counter() - s.t_start, log)
     return res

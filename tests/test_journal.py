@@ -10,9 +10,8 @@ from helpers import read_ledger, run_cli
 
 from async_rl import config as C
 from async_rl.audit import audit
-from async_rl.journal import open_journal
+from async_rl.journal import open_journal, segment_files
 from async_rl.journal_format import read_segment
-from async_rl.journal_store import segment_files
 from async_rl.ledger import Ledger
 from async_rl.sampler import make_sampler
 

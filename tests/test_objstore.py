@@ -12,7 +12,7 @@ import time
 import pytest
 from objstore import TINY, last_step, train_proc, wait_past
 
-from async_rl import lease, remote_io, rundir, storage
+from async_rl import applog, lease, remote_io, rundir, storage
 from async_rl.ckpt_layout import committed_steps, temporary_path_class
 
 
@@ -24,9 +24,9 @@ def test_primitives_and_history(bucket):
     assert storage.read_text(run / "config.yaml") == "x: 1\n"
     assert storage.create(run / "once", b"1") and not storage.create(run / "once", b"2")
     assert storage.read_bytes(run / "once") == b"1"
-    from async_rl.lineage import open_log
-    open_log(run / "lineage.jsonl").append([{"step": 1}])
-    open_log(run / "drops.jsonl").append([])  # nothing written: no history
+    from async_rl.lineage import JsonlLog
+    JsonlLog(run / "lineage.jsonl").append([{"step": 1}])
+    JsonlLog(run / "drops.jsonl").append([])  # nothing written: no history
     storage.write_atomic(run / "checkpoints" / "1" / "x", b"x")
     rundir.mark_checkpointed(run, 1)
     assert rundir.history(run) == {"lineage": 1, "checkpoints": 1} and rundir.durable(run)
@@ -279,29 +279,29 @@ def test_logs_are_segments_cut_back_on_resume(bucket, monkeypatch):
     """lineage/drops/metrics on an object store: one segment object per append (no append
     there), read back in order; a resume cuts them back to the size a checkpoint recorded,
     across segment boundaries, and the next session appends after the cut."""
-    from async_rl.lineage import open_log, read_jsonl
+    from async_rl.lineage import JsonlLog, read_jsonl
     run = storage.run_path(f"{bucket}/run")
-    log = open_log(run / "lineage.jsonl")
+    log = JsonlLog(run / "lineage.jsonl")
     log.append([{"step": 1, "i": 0}, {"step": 1, "i": 1}])
     at_ckpt = log.tell()
     log.append([{"step": 2, "i": 2}])
     log.append([{"step": 3, "i": 3}])
     log.close()
     assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0, 1, 2, 3]
-    assert storage.log_size(run / "lineage.jsonl") == log.tell() and len(storage.segments(run / "lineage.jsonl")) == 3
+    assert applog.size(run / "lineage.jsonl") == log.tell() and len(applog.segments(run / "lineage.jsonl")) == 3
     assert rundir.history(run) == {"lineage": 1}
 
-    again = open_log(run / "lineage.jsonl")  # the next session
+    again = JsonlLog(run / "lineage.jsonl")  # the next session
     assert again.tell() == log.tell()
     one_line = len(json.dumps({"step": 1, "i": 0}, separators=(",", ":"))) + 1
     assert again.truncate(one_line) == log.tell() - one_line  # inside the first segment
     assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0]
     again.append([{"step": 2, "i": 5}])
     assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0, 5]
-    assert again.truncate(at_ckpt) == 0 and again.tell() == storage.log_size(run / "lineage.jsonl")
+    assert again.truncate(at_ckpt) == 0 and again.tell() == applog.size(run / "lineage.jsonl")
 
     # a reader that listed the segments before a cut deleted some reads up to the cut
-    listed = storage.segments(run / "lineage.jsonl")
+    listed = applog.segments(run / "lineage.jsonl")
     again.truncate(one_line)
     monkeypatch.setattr(storage, "segments", lambda p: listed)
     assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0]
@@ -382,7 +382,7 @@ def test_elastic_resume_two_processes_to_one(gcs_endpoint):
     codes = finish_job(procs, timeout=400)
     assert codes == [0, 0], (codes, read_stderr(procs[0])[-3000:])
     assert max(committed_steps(storage.run_path(run) / "checkpoints")) == 4
-    assert storage.log_size(storage.run_path(run) / "lineage.p1.jsonl") > 0  # process 1 logged its own groups
+    assert applog.size(storage.run_path(run) / "lineage.p1.jsonl") > 0  # process 1 logged its own groups
 
     (p,) = spawn_job(run, *ov, nproc=1, devices_per_process=4)
     assert finish_job([p], timeout=400) == [0], read_stderr(p)[-3000:]
@@ -401,12 +401,13 @@ def test_elastic_resume_two_processes_to_one(gcs_endpoint):
 def test_journal_segments_are_part_objects(bucket, monkeypatch):
     """A journal segment on an object store: records wait in memory, each sync uploads them as
     the next part (whole or absent); a failed upload keeps them for the next one, in order."""
-    from async_rl import journal_store
+    from async_rl.applog import AppendLog
+    from async_rl.journal import segment_files
     d = storage.run_path(f"{bucket}/run") / "journal" / "p0"
-    seg = journal_store.create(d / "00000001.jrn")
+    seg = AppendLog(d / "00000001.jrn", new=True)
     seg.write(b"header|")
     seg.write(b"a|")
-    assert journal_store.segment_files(d) == []  # nothing uploaded before a sync
+    assert segment_files(d) == []  # nothing uploaded before a sync
     seg.sync()
     seg.write(b"b|")
     monkeypatch.setattr(storage, "write_atomic", lambda p, data: (_ for _ in ()).throw(OSError("store unreachable")))
@@ -415,11 +416,11 @@ def test_journal_segments_are_part_objects(bucket, monkeypatch):
     monkeypatch.undo()
     seg.write(b"c|")
     seg.sync()
-    assert [p.name for p in journal_store.segment_files(d)] == ["00000001.jrn"]
-    assert storage.read_log(d / "00000001.jrn") == b"header|a|b|c|"
-    assert len(storage.segments(d / "00000001.jrn")) == 2
-    journal_store.delete(d / "00000001.jrn")
-    assert journal_store.segment_files(d) == [] and storage.read_log(d / "00000001.jrn") == b""
+    assert [p.name for p in segment_files(d)] == ["00000001.jrn"]
+    assert applog.read(d / "00000001.jrn") == b"header|a|b|c|"
+    assert len(applog.segments(d / "00000001.jrn")) == 2
+    applog.delete(d / "00000001.jrn")
+    assert segment_files(d) == [] and applog.read(d / "00000001.jrn") == b""
 
 
 @pytest.mark.slow
@@ -431,8 +432,8 @@ def test_journal_keeps_finished_samples_across_a_kill(gcs_endpoint, xla_cache):
     from objstore import new_bucket
 
     from async_rl.audit import audit
+    from async_rl.journal import segment_files
     from async_rl.journal_format import read_segment
-    from async_rl.journal_store import segment_files
     from async_rl.ledger import Ledger
     from async_rl.lineage import read_jsonl
     from async_rl.saved_run import read_ledgers

@@ -188,17 +188,17 @@ def test_non_finite_training_stops_before_saving(tmp_path, xla_cache):
 
 
 def test_a_restart_killed_half_way_is_named_and_finished(tmp_path, xla_cache):
-    from async_rl import rundir
+    from async_rl import rundir, runfiles
     r = run_cli(tmp_path, *BASE, "train.max_steps=2", "checkpoint.every_steps=2", cache=xla_cache)
     assert r.returncode == 0, r.stderr[-2000:]
     next((tmp_path / "checkpoints" / "2" / "ledger").glob("*.bin")).unlink()  # no restorable step
     lines = (tmp_path / "lineage.jsonl").read_bytes()
-    items = [f for g in rundir.HISTORY_GLOBS for f in tmp_path.glob(g)] + \
-        [tmp_path / n for n in rundir.HISTORY_DIRS + rundir.MANIFESTS if (tmp_path / n).exists()]
+    items = [f for g in runfiles.HISTORY for f in tmp_path.glob(g)] + \
+        [tmp_path / n for n in runfiles.HISTORY_DIRS + runfiles.MANIFESTS if (tmp_path / n).exists()]
     # killed with everything moved but the mark that a checkpoint covered the logs
     r = run_cli(tmp_path, *BASE, "run.resume=restart", kill_at=f"restart:{len(items) - 1}", cache=xla_cache)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    assert rundir.history(tmp_path) == {} and (tmp_path / rundir.MARKER).exists()
+    assert rundir.history(tmp_path) == {} and (tmp_path / runfiles.MARKER).exists()
     before = tree_digest(tmp_path)
     r = run_cli(tmp_path, *BASE, "train.max_steps=2", cache=xla_cache)
     assert r.returncode == 2 and "()" not in r.stderr, r.stderr[-2000:]
@@ -208,5 +208,5 @@ def test_a_restart_killed_half_way_is_named_and_finished(tmp_path, xla_cache):
     assert r.returncode == 0, r.stderr[-2000:]
     prev = list((tmp_path / "previous").iterdir())
     assert len(prev) == 1 and (prev[0] / "lineage.jsonl").read_bytes() == lines
-    assert (prev[0] / rundir.MARKER).exists() and not (tmp_path / rundir.RESTARTING).exists()
+    assert (prev[0] / runfiles.MARKER).exists() and not (tmp_path / runfiles.RESTARTING).exists()
     assert max(x["step"] for x in lineage(tmp_path)) == 2 and audit(tmp_path)["ok"]
