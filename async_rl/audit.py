@@ -67,7 +67,7 @@ def read_lineage(path: Path) -> list[tuple[int, int, dict]]:
 
 
 def _manifest(run: Path) -> dict:
-    manifest = runfiles.data_manifest(run)
+    manifest = run / runfiles.DATA
     if not manifest.is_file():
         raise AuditError(f"{manifest}: missing (is {run} a run directory?)")
     try:
@@ -229,7 +229,7 @@ def audit(run_dir: str | Path) -> dict:
 
 
 def _final(run: Path) -> dict | None:
-    p = runfiles.final(run)
+    p = run / runfiles.FINAL
     if not p.is_file():
         return None
     try:

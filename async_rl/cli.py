@@ -230,10 +230,10 @@ def _main(argv: list[str] | None) -> int:
 def _kept(cfg) -> str:
     """What a run stopped by a failure keeps: its last committed checkpoint, named."""
     from .ckpt_layout import last_committed
-    from .runfiles import checkpoints
+    from .runfiles import CHECKPOINTS
     from .storage import run_path
     try:
-        return f"{cfg.run.dir}: {last_committed(checkpoints(run_path(cfg.run.dir)))}"
+        return f"{cfg.run.dir}: {last_committed(run_path(cfg.run.dir) / CHECKPOINTS)}"
     except OSError:
         return f"{cfg.run.dir} keeps its last committed checkpoint"
 

@@ -98,7 +98,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
     run = open_run(run_dir)
     cfg, tok, vocab = run.cfg, run.tok, run.vocab
     if cfg.model.learned_positions:
-        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {runfiles.config(run.run_dir)}: "
+        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {run.run_dir / runfiles.CONFIG}: "
                          "a learned position table has no Hugging Face Llama/Qwen2 equivalent; such a run cannot "
                          "be exported")
     step, params = read_params(run, step, warn=warn)

@@ -71,7 +71,7 @@ class Journal:
 
     def __init__(self, run_dir, *, process_index: int, process_count: int, sig: dict, step: int,
                  fsync_every_s: float, bound: int, deterministic: bool, log, drop, generation: int = 0):
-        self.root = runfiles.journal(run_dir)
+        self.root = run_dir / runfiles.JOURNAL
         self.dir = runfiles.journal_dir(run_dir, process_index)
         self.layout = (generation, process_index, process_count)
         self.sig, self.every, self.bound = sig, fsync_every_s, bound

@@ -125,7 +125,7 @@ class MetricsSink:
         self.tb = None
         if tensorboard:
             from .tbwriter import EventWriter  # written on this thread: a full disk raises, never hangs
-            self.tb = EventWriter(runfiles.tb(run_dir), purge_step=start_step + 1)
+            self.tb = EventWriter(run_dir / runfiles.TB, purge_step=start_step + 1)
         self.progress = None
         if progress:
             from rich.console import Console

@@ -189,5 +189,5 @@ def cut_inactive_logs(run_dir: Path, generations: list, processes: int) -> int:
 
 def count_note(run_dir: Path) -> str:
     """For an error about the process count: the count the run's newest checkpoint was written by."""
-    got = saved_processes(runfiles.checkpoints(storage.run_path(run_dir)))
+    got = saved_processes(storage.run_path(run_dir) / runfiles.CHECKPOINTS)
     return f"; checkpoint step {got[0]} in {run_dir} was written by {got[1]} process(es)" if got else ""

@@ -128,11 +128,11 @@ def history(path: Path) -> dict[str, int]:
 
 def durable(path: Path) -> bool:
     """Did a checkpoint ever cover this run's logs? (marker written, or damaged steps set aside)"""
-    return storage.is_file(runfiles.marker(path)) or _nonempty(runfiles.damaged(path)) > 0
+    return storage.is_file(path / runfiles.MARKER) or _nonempty(path / runfiles.DAMAGED) > 0
 
 
 def mark_checkpointed(path: Path, step: int) -> None:
-    p = runfiles.marker(path)
+    p = path / runfiles.MARKER
     if not storage.is_file(p):
         write_atomic(p, json.dumps({"first_committed_step": step, "time": time.time()}))
 
@@ -144,12 +144,12 @@ def describe(hist: dict[str, int]) -> str:
 def interrupted_restart(path: Path) -> Path | None:
     """The folder an interrupted run.resume=restart was moving the history into, or None."""
     try:
-        dest = json.loads(storage.read_text(runfiles.restarting(path)))["dest"]
+        dest = json.loads(storage.read_text(path / runfiles.RESTARTING))["dest"]
         return storage.run_path(dest) if storage.is_remote(path) else Path(dest)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return runfiles.previous(path)  # torn: still a restart that did not finish
+        return path / runfiles.PREVIOUS  # torn: still a restart that did not finish
 
 
 def archive_history(path: Path) -> Path:
@@ -159,14 +159,14 @@ def archive_history(path: Path) -> Path:
 
     p = path
     dest = interrupted_restart(p)
-    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(runfiles.previous(p)):
-        dest = runfiles.previous(p) / time.strftime("%Y%m%d-%H%M%S")
+    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(p / runfiles.PREVIOUS):
+        dest = p / runfiles.PREVIOUS / time.strftime("%Y%m%d-%H%M%S")
         n = 0
         while storage.exists(dest):
             n += 1
             dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
         storage.mkdirs(dest)
-        write_atomic(runfiles.restarting(p), json.dumps({"dest": str(dest), "time": time.time()}))
+        write_atomic(p / runfiles.RESTARTING, json.dumps({"dest": str(dest), "time": time.time()}))
     names = [f.name for g in runfiles.HISTORY for f in storage.glob(p, g)] + list(runfiles.HISTORY_DIRS) \
         + list(runfiles.MANIFESTS)
     moved = 0
@@ -175,7 +175,7 @@ def archive_history(path: Path) -> Path:
             storage.move(p / name, dest / name)
             moved += 1
             faults.point("restart", moved)
-    storage.remove(runfiles.restarting(p))
+    storage.remove(p / runfiles.RESTARTING)
     return dest
 
 

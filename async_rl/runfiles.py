@@ -3,8 +3,9 @@
 Owns: the name of each thing a run keeps in its directory, for one process index where there
 is one per process (process 0 keeps the plain name, process i > 0 adds `.p<i>`), and the
 globs and patterns that find them again (history, manifests, per-process logs, journal
-segments). Every other module asks here; none spells a name (tests/test_runfiles.py greps
-for them). Does not own: what the files hold, or the inside of a checkpoint step (Orbax's
+segments). Every other module asks here, joining a single name (`run_dir / runfiles.FINAL`)
+or calling a function where a name depends on a process index or step; none spells a name
+(tests/test_runfiles.py checks). Does not own: what the files hold, or the inside of a checkpoint step (Orbax's
 names, `ckpt_layout`). Functions take and return the path object of `storage.run_path`, so a
 local directory and an object-store prefix are joined alike.
 
@@ -104,76 +105,24 @@ def lock_process(lock_path) -> int:
     return int(rest[2:]) if rest else 0
 
 
-def config(run_dir):
-    return run_dir / CONFIG
-
-
-def data_manifest(run_dir):
-    return run_dir / DATA
-
-
-def final(run_dir):
-    return run_dir / FINAL
-
-
-def reward_plot(run_dir):
-    return run_dir / REWARD_PLOT
-
-
-def wandb_state(run_dir):
-    return run_dir / WANDB_STATE
-
-
-def wandb_dir(run_dir):
-    return run_dir / WANDB
-
-
-def tb(run_dir):
-    return run_dir / TB
-
-
-def marker(run_dir):
-    return run_dir / MARKER
-
-
-def restarting(run_dir):
-    return run_dir / RESTARTING
-
-
 def probe(run_dir, host: str, pid: int):
     return run_dir / f"{PROBE}{host}-{pid}"
-
-
-def checkpoints(run_dir):
-    return run_dir / CHECKPOINTS
 
 
 def step(run_dir, step: int):
     """Checkpoint step `step`'s folder (Orbax's standard name for it, from ckpt_layout)."""
     from .ckpt_layout import step_dir  # Orbax is imported only by what reads or writes steps
-    return step_dir(checkpoints(run_dir), step)
-
-
-def damaged(run_dir):
-    return run_dir / DAMAGED
+    return step_dir(run_dir / CHECKPOINTS, step)
 
 
 def damaged_step(run_dir, step: int, when: int):
     """Where a checkpoint step that failed verification is set aside (`when`: epoch seconds)."""
-    return damaged(run_dir) / f"step_{step}_{when}"
-
-
-def previous(run_dir):
-    return run_dir / PREVIOUS
-
-
-def journal(run_dir):
-    return run_dir / JOURNAL
+    return run_dir / DAMAGED / f"step_{step}_{when}"
 
 
 def journal_dir(run_dir, i: int):
     """Process i's journal folder."""
-    return journal(run_dir) / f"p{i}"
+    return run_dir / JOURNAL / f"p{i}"
 
 
 def journal_segment(directory, seq: int):

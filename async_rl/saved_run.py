@@ -48,7 +48,7 @@ class SavedRun:
 
     @property
     def ckpt_dir(self) -> Path:
-        return runfiles.checkpoints(self.run_dir)
+        return self.run_dir / runfiles.CHECKPOINTS
 
     def steps(self) -> list[int]:
         return committed_steps(self.ckpt_dir)
@@ -60,15 +60,15 @@ def open_run(run_dir: str | Path) -> SavedRun:
     run = _run_path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run directory")
-    cfg_path = runfiles.config(run)
+    cfg_path = run / runfiles.CONFIG
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: missing (is {run} a run directory?)")
     try:
         cfg = C.from_dict(yaml.safe_load(cfg_path.read_text()) or {})
     except yaml.YAMLError as e:
         raise C.ConfigError(f"{cfg_path}: not valid YAML ({e})") from None
-    if not committed_steps(runfiles.checkpoints(run)):
-        raise FileNotFoundError(f"{runfiles.checkpoints(run)}: no committed checkpoint")
+    if not committed_steps(run / runfiles.CHECKPOINTS):
+        raise FileNotFoundError(f"{run / runfiles.CHECKPOINTS}: no committed checkpoint")
     tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
     return SavedRun(run, cfg, tok, cfg.model.vocab_size or tok.vocab_size)
 

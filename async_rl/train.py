@@ -225,7 +225,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
                     seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call,
                     tensor=cfg.engine.tensor, windows=not cfg.run.determinism, all_devices=devices.engine_all)
-    ckpt = Checkpointer(runfiles.checkpoints(run_dir), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
+    ckpt = Checkpointer(run_dir / runfiles.CHECKPOINTS, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,
                  eval_set=eval_set)
@@ -255,7 +255,7 @@ def choose_start(parts: Parts, log) -> Start:
         if choice.restored is not None:
             return _resumed(parts, choice.restored, damaged, log)
     if cfg.run.resume == "must":
-        raise ConfigError(f"run.resume=must: no restorable checkpoint in {runfiles.checkpoints(run_dir)} "
+        raise ConfigError(f"run.resume=must: no restorable checkpoint in {run_dir / runfiles.CHECKPOINTS} "
                           "(nothing was changed)")
     hist = rundir.history(run_dir)
     fresh = Start(step=0, ledger=Ledger(cfg.rollout.samples_per_prompt), state=None, damaged=damaged)
@@ -311,8 +311,8 @@ def take(parts: Parts, start: Start, log) -> None:
         cut = reshard.cut_inactive_logs(run_dir, parts.generations, jax.process_count())
         if cut:
             log(f"cut {cut} bytes of the logs of processes this run no longer has (written after its checkpoint)")
-        rundir.write_if_changed(runfiles.config(run_dir), C.to_yaml(cfg))
-        rundir.write_if_changed(runfiles.data_manifest(run_dir), json.dumps({
+        rundir.write_if_changed(run_dir / runfiles.CONFIG, C.to_yaml(cfg))
+        rundir.write_if_changed(run_dir / runfiles.DATA, json.dumps({
             "prompt_ids": [int(i) for i in parts.pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
             "records_per_epoch": int(parts.pd.records_per_epoch), "bad_records": len(parts.pd.bad_records)}))
         _announce_drops(cfg, parts.pd, log)
@@ -345,7 +345,7 @@ class Session:
         self.last_saved = start.step if start.restored else -1
         self.ref_params = self.learner.init_params() if self.learner.use_ref else None
         if self.primary and not storage.is_remote(parts.run_dir):
-            dropped = cut_events(runfiles.tb(parts.run_dir), start.step)
+            dropped = cut_events(parts.run_dir / runfiles.TB, start.step)
             if dropped:
                 log(f"cut {dropped} TensorBoard events logged after step {start.step} (not covered by its checkpoint)")
         self.last_step = _total_steps(cfg, parts.pd)  # where max_steps or the data ends the run
@@ -547,7 +547,7 @@ class Session:
     def _commit(self, groups: list, cut: list) -> None:
         """The step's groups leave the ledger and enter the lineage log (this process's share)."""
         if self.trained == 1 and self.primary:
-            storage.remove(runfiles.final(self.parts.run_dir))  # the run goes on past its end
+            storage.remove(self.parts.run_dir / runfiles.FINAL)  # the run goes on past its end
         with self.ledger.lock:
             self.ledger.commit(groups)
             self.logs.trained(self.step, groups)
@@ -708,7 +708,7 @@ def report(parts: Parts, s: Session, log) -> RunResult:
                     fingerprint=fp, reward_first=rewards_seen[0] if rewards_seen else None,
                     reward_last=float(np.mean(rewards_seen[-5:])) if rewards_seen else None, history=s.history)
     if s.primary:
-        rundir.write_atomic(runfiles.final(parts.run_dir), json.dumps({
+        rundir.write_atomic(parts.run_dir / runfiles.FINAL, json.dumps({
             "step": s.step, "fingerprint": fp, "reason": s.reason, "exhausted": exhausted,
             "complete_epochs": complete}))
         log(f"params fingerprint: {fp}")
@@ -717,10 +717,10 @@ def report(parts: Parts, s: Session, log) -> RunResult:
         except (OSError, ValueError):
             all_rows = s.history
         try:
-            if cfg.log.plot and plot_rewards(all_rows, runfiles.reward_plot(parts.run_dir)):
-                log(f"reward curve: {runfiles.reward_plot(parts.run_dir)}")
+            if cfg.log.plot and plot_rewards(all_rows, parts.run_dir / runfiles.REWARD_PLOT):
+                log(f"reward curve: {parts.run_dir / runfiles.REWARD_PLOT}")
         except Exception as e:  # noqa: BLE001 - the run is saved; only the picture is missing
-            log(f"warning: {runfiles.reward_plot(parts.run_dir)} not written ({getattr(e, 'strerror', None) or e})")
+            log(f"warning: {parts.run_dir / runfiles.REWARD_PLOT} not written ({getattr(e, 'strerror', None) or e})")
         run_rows = [r for r in all_rows if r.get("step", 0) <= s.step]
         _report(cfg, res, run_rows or s.history, time.perf_counter() - s.t_start, log)
     return res

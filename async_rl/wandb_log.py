@@ -47,12 +47,12 @@ class WandbLog:
                  tags: tuple[str, ...] = (), log=print):
         check_installed()
         import wandb
-        self.path = runfiles.wandb_state(Path(run_dir))
+        self.path = Path(run_dir) / runfiles.WANDB_STATE
         state = json.loads(self.path.read_text()) if self.path.is_file() else {}
         run_id = state.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         # wandb names a session's folder by its start second: a second session of this run in
         # the same second would reuse the folder and overwrite the earlier session's files
-        while any(runfiles.wandb_dir(Path(run_dir)).glob(f"*run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
+        while any(Path(run_dir) / runfiles.WANDB.glob(f"*run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
             time.sleep(0.1)
         self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).resolve().name,
                               tags=list(tags), id=run_id, resume="allow", dir=str(run_dir), config=config)
