@@ -18,7 +18,7 @@ LOG_ENDINGS = (".jsonl", ".jrn")
 FOLDER_NAMES = ("checkpoints", "journal", "tb", "previous", "damaged", "wandb", "lineage", "metrics",
                 "drops", "rollouts")
 PATH_CALLS = {"glob", "rglob", "Path", "joinpath", "with_name", "run_path", "open", "exists", "is_file", "is_dir",
-              "read_log", "remove", "write_atomic", "write_if_changed", "listdir", "mkdirs", "move"}
+              "read", "size", "cut", "remove", "write_atomic", "write_if_changed", "listdir", "mkdirs", "move"}
 
 
 def _text(node) -> str | None:

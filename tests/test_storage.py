@@ -165,3 +165,33 @@ def test_tensorboard_events_are_written_before_add_returns(tmp_path):
     assert events[1].step == 5 and events[1].session_log.status == SessionLog.START
     got = {v.tag: v.simple_value or v.tensor.float_val[0] for e in events[2:] for v in e.summary.value}
     assert got == {"rollout/reward_mean": 0.25, "learner/loss": -1.5}
+
+
+def test_a_local_append_log_appends_cuts_back_and_is_created_once(tmp_path):
+    """applog's local log: bytes land at once, `tell` is the file's length across sessions, a
+    cut keeps the first bytes, and a new log refuses a file that exists."""
+    from async_rl import applog
+    from async_rl.applog import AppendLog
+    p = tmp_path / "x.jsonl"
+    log = AppendLog(p)
+    log.append(b"one\n")
+    log.append(b"two\n")
+    assert p.read_bytes() == b"one\ntwo\n" and log.tell() == 8 == applog.size(p)
+    assert log.truncate(4) == 4 and log.tell() == 4
+    log.append(b"three\n")
+    log.close()
+    again = AppendLog(p)  # the next session appends after what is kept
+    assert again.tell() == 10 and applog.read(p) == b"one\nthree\n"
+    assert applog.cut(p, 100) == 0 and applog.cut(p, 0) == 10 and applog.read(p) == b""
+    again.close()
+    with pytest.raises(FileExistsError):
+        AppendLog(p, new=True)
+    seg = AppendLog(tmp_path / "00000001.jrn", new=True)
+    seg.write(b"rec")
+    assert seg.dirty
+    seg.sync()
+    seg.close()
+    assert not seg.open
+    applog.delete(tmp_path / "00000001.jrn")
+    applog.delete(tmp_path / "00000001.jrn")  # gone already: nothing
+    assert not applog.has_bytes(tmp_path / "00000001.jrn") and applog.read(tmp_path / "none") == b""
