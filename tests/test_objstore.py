@@ -303,7 +303,7 @@ def test_logs_are_segments_cut_back_on_resume(bucket, monkeypatch):
     # a reader that listed the segments before a cut deleted some reads up to the cut
     listed = applog.segments(run / "lineage.jsonl")
     again.truncate(one_line)
-    monkeypatch.setattr(storage, "segments", lambda p: listed)
+    monkeypatch.setattr(applog, "segments", lambda p: listed)
     assert [r["i"] for r in read_jsonl(run / "lineage.jsonl")] == [0]
 
 
