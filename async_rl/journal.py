@@ -396,7 +396,6 @@ class Journal:
             gone = [s for s, at in self._closed.items() if at is not None and at <= committed]
             for s in gone:
                 del self._closed[s]
-            for s in gone:
                 s.close()
         # an earlier session's sample with oldest version v can fit no group a resume from
         # `committed` still has once committed - v > bound (lookahead or staleness)
