@@ -28,8 +28,9 @@ import yaml
 
 from . import config as C
 from . import storage
-from .checkpoint import Checkpointer, Damaged
+from .checkpoint import Checkpointer
 from .ckpt_layout import committed_steps, step_dir
+from .step_items import Damaged
 
 HOLD_PREFIX = ".async-rl-hold-"  # the held copy of a step, beside the run directory
 RETRY_S = 60.0  # how long a reader keeps chasing a live run's newest step
