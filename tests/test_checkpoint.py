@@ -13,8 +13,9 @@ import pytest
 from helpers import cfg
 
 from async_rl import config as C
+from async_rl.build import build
 from async_rl.step_items import state_digests
-from async_rl.train import build, train
+from async_rl.train import train
 
 OV = ["data.num_records=16", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "checkpoint.keep=3",
       "train.max_steps=4"]
