@@ -18,7 +18,7 @@ import jax
 
 from . import config as C
 from . import data as data_mod
-from . import faults, memory, remote_io, reshard, rewards, rundir, sharding, storage
+from . import faults, memory, remote_io, reshard, rewards, rundir, runfiles, sharding, storage
 from .checkpoint import Checkpointer, CheckpointError, DamagedStep, Restored
 from .config import Config, ConfigError
 from .engine import Engine
@@ -116,7 +116,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                     temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
                     seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call,
                     tensor=cfg.engine.tensor, windows=not cfg.run.determinism, all_devices=devices.engine_all)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
+    ckpt = Checkpointer(run_dir / runfiles.CHECKPOINTS, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,
                  eval_set=eval_set)
@@ -144,7 +144,7 @@ def choose_start(parts: Parts, log) -> Start:
         if choice.restored is not None:
             return resumed(parts, choice.restored, damaged, log)
     if cfg.run.resume == "must":
-        raise ConfigError(f"run.resume=must: no restorable checkpoint in {run_dir / 'checkpoints'} "
+        raise ConfigError(f"run.resume=must: no restorable checkpoint in {run_dir / runfiles.CHECKPOINTS} "
                           "(nothing was changed)")
     hist = rundir.history(run_dir)
     fresh = Start(step=0, ledger=Ledger(cfg.rollout.samples_per_prompt), state=None, damaged=damaged)
@@ -184,7 +184,7 @@ def take(parts: Parts, start: Start, log) -> None:
         dest = rundir.archive_history(run_dir)
         log(f"run.resume=restart: moved the previous history of {run_dir} to {dest}; starting over")
     for d in start.damaged if not start.restart else []:
-        dest = run_dir / "damaged" / f"step_{d.step}_{int(time.time())}"
+        dest = run_dir / runfiles.DAMAGED / f"step_{d.step}_{int(time.time())}"
         if primary and storage.is_remote(run_dir):
             faults.point("set_aside", d.step)
             storage.move(parts.ckpt.directory / str(d.step), dest)
@@ -199,8 +199,8 @@ def take(parts: Parts, start: Start, log) -> None:
         cut = reshard.cut_inactive_logs(run_dir, parts.generations, jax.process_count())
         if cut:
             log(f"cut {cut} bytes of the logs of processes this run no longer has (written after its checkpoint)")
-        rundir.write_if_changed(run_dir / "config.yaml", C.to_yaml(cfg))
-        rundir.write_if_changed(run_dir / "data.json", json.dumps({
+        rundir.write_if_changed(run_dir / runfiles.CONFIG, C.to_yaml(cfg))
+        rundir.write_if_changed(run_dir / runfiles.DATA, json.dumps({
             "prompt_ids": [int(i) for i in parts.pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
             "records_per_epoch": int(parts.pd.records_per_epoch), "bad_records": len(parts.pd.bad_records)}))
         announce_drops(cfg, parts.pd, log)

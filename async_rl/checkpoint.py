@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from . import config as C
-from . import faults, remote_io, sharding, storage
+from . import faults, orbax_patch, remote_io, sharding, storage
 from .ckpt_layout import (
     COMMIT_FILE,
     committed_steps,
@@ -43,6 +41,7 @@ from .ckpt_layout import (
     step_dir,
     temporary_path_class,
 )
+from .errors import RunFailure, UsageError
 from .ledger import Capture, LedgerSnapshot
 from .step_items import (
     Damaged,
@@ -62,15 +61,15 @@ from .step_items import (
 )
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UsageError):
     """A checkpoint that cannot be used as asked (exit 2); nothing was changed."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(RunFailure):
     """A save that did not commit (disk full, I/O error); the last committed step is intact."""
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunFailure):
     """Non-finite parameters must never be saved over good steps."""
 
 
@@ -87,32 +86,6 @@ def _lost_lease(e: BaseException | None):
 # A wait for Orbax's background commit gives up after this long, seconds: every storage call
 # in it is bounded, so a commit still running is stuck (a stalled store gives up sooner).
 COMMIT_WAIT_S = 3600.0
-
-
-def _quiet_closed_loops() -> None:
-    """Orbax runs each read on a fresh event loop; when one read fails, tensorstore callbacks
-    still in flight land on the closed loop and Python prints each as an unraisable exception
-    (dozens of tracebacks around one clear warning). Only exactly those are dropped."""
-    prev = sys.unraisablehook
-    if getattr(prev, "quiet_closed_loops", False):
-        return
-
-    def hook(u):
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-            prev(u)
-    hook.quiet_closed_loops = True
-    sys.unraisablehook = hook
-
-
-class _OrbaxFailureLogs(logging.Filter):
-    """Orbax logs a failed background save with its traceback (several, from several threads)
-    before raising it to us; we report it once, naming the step and what is intact."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
-
-
-logging.getLogger("absl").addFilter(_OrbaxFailureLogs())
 
 
 # ---- choosing and restoring a step ----------------------------------------------------------
@@ -157,6 +130,7 @@ class _FaultyCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool):
+        orbax_patch.install()
         self.directory = storage.run_path(directory) if storage.is_remote(directory) else Path(directory).absolute()
         self.keep, self.async_save = keep, async_save
         self.mngr: ocp.CheckpointManager | None = None  # opened by `open()`: reading needs none
@@ -167,7 +141,7 @@ class Checkpointer:
     def open(self) -> None:
         """Starts writing (creates the directory, clears uncommitted temporaries). On an object
         store old steps are deleted by `prune` instead of Orbax, under the run's lease check."""
-        _quiet_closed_loops()  # a commit given up leaves tensorstore callbacks for its closed loop
+        orbax_patch.quiet_closed_loops()  # a commit given up leaves tensorstore callbacks for its closed loop
         remote = storage.is_remote(self.directory)
         opts = ocp.CheckpointManagerOptions(max_to_keep=None if remote else self.keep,
                                             enable_async_checkpointing=self.async_save,
@@ -309,7 +283,7 @@ class Checkpointer:
     def restore(self, step: int, abstract_state, *, cfg: C.Config | None = None) -> Restored:
         """Restores and verifies step `step`; raises Damaged, or ConfigError for a config that
         does not fit it."""
-        _quiet_closed_loops()
+        orbax_patch.quiet_closed_loops()
         d = step_dir(self.directory, step)
         meta = self.read_meta(step)
         changes = _check_config(meta, cfg, d) if cfg is not None else []
@@ -339,7 +313,7 @@ class Checkpointer:
         """The `params` half of step `step`'s state, checked against the digests the save
         recorded (the optimizer is not read); raises Damaged. Reads only: a damaged step is
         left where it is."""
-        _quiet_closed_loops()
+        orbax_patch.quiet_closed_loops()
         return self._read_state(step, {"params": abstract_params}, self.read_meta(step))["params"]
 
     def read_ledgers(self, step: int) -> tuple[dict, list[LedgerSnapshot]]:

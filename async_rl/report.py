@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import rundir, sharding
+from . import rundir, runfiles, sharding
 from .config import Config
 from .learner import params_fingerprint
 from .metrics import plot_rewards, read_jsonl
@@ -47,19 +47,19 @@ def report(parts: Parts, s: Session, log) -> RunResult:
                     fingerprint=fp, reward_first=rewards_seen[0] if rewards_seen else None,
                     reward_last=float(np.mean(rewards_seen[-5:])) if rewards_seen else None, history=s.history)
     if s.primary:
-        rundir.write_atomic(parts.run_dir / "final.json", json.dumps({
+        rundir.write_atomic(parts.run_dir / runfiles.FINAL, json.dumps({
             "step": s.step, "fingerprint": fp, "reason": s.reason, "exhausted": exhausted,
             "complete_epochs": complete}))
         log(f"params fingerprint: {fp}")
         try:  # the run's kept rows: a resumed session's "before" is the run's first eval, not its own
-            all_rows = read_jsonl(parts.run_dir / "metrics.jsonl")
+            all_rows = read_jsonl(parts.run_dir / runfiles.log("metrics"))
         except (OSError, ValueError):
             all_rows = s.history
         try:
-            if cfg.log.plot and plot_rewards(all_rows, parts.run_dir / "reward.png"):
-                log(f"reward curve: {parts.run_dir / 'reward.png'}")
+            if cfg.log.plot and plot_rewards(all_rows, parts.run_dir / runfiles.PLOT):
+                log(f"reward curve: {parts.run_dir / runfiles.PLOT}")
         except Exception as e:  # noqa: BLE001 - the run is saved; only the picture is missing
-            log(f"warning: {parts.run_dir / 'reward.png'} not written ({getattr(e, 'strerror', None) or e})")
+            log(f"warning: {parts.run_dir / runfiles.PLOT} not written ({getattr(e, 'strerror', None) or e})")
         run_rows = [r for r in all_rows if r.get("step", 0) <= s.step]
         _report(cfg, res, run_rows or s.history, time.perf_counter() - s.t_start, log)
     return res

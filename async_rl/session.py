@@ -19,7 +19,7 @@ import numpy as np
 
 from . import config as C
 from . import journal as journal_mod
-from . import remote_io, reshard, rundir, sharding, storage
+from . import remote_io, reshard, rundir, runfiles, sharding, storage
 from . import signals as sig
 from .build import Parts, Start, resume_line
 from .checkpoint import CheckpointWriteError, NonFiniteError
@@ -47,7 +47,7 @@ class Session:
         self.pc, self.primary = jax.process_count(), pi == 0
         self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
         self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
-                            suffix=f".p{pi}" if pi else "", generation=len(parts.generations))
+                            process_index=pi, generation=len(parts.generations))
         saved_logs = start.restored.ledger.header.get("logs") if start.restored else None
         cut = self.logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
         self.ledger, self.state, self.step = start.ledger, start.state, start.step
@@ -60,7 +60,7 @@ class Session:
         self.last_saved = start.step if start.restored else -1
         self.ref_params = self.learner.init_params() if self.learner.use_ref else None
         if self.primary and not storage.is_remote(parts.run_dir):
-            dropped = cut_events(parts.run_dir / "tb", start.step)
+            dropped = cut_events(parts.run_dir / runfiles.TB, start.step)
             if dropped:
                 log(f"cut {dropped} TensorBoard events logged after step {start.step} (not covered by its checkpoint)")
         self.last_step = total_steps(cfg, parts.pd)  # where max_steps or the data ends the run
@@ -68,7 +68,7 @@ class Session:
                                 progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
                                 every=cfg.log.every_steps, total_steps=self.last_step,
                                 start_step=start.step, console=log,
-                                name="metrics.jsonl" if self.primary else f"metrics.p{pi}.jsonl",
+                                name=runfiles.log("metrics", pi),
                                 wandb=self._wandb(cfg, parts.run_dir, log) if cfg.log.wandb and self.primary else None)
         self.sink.cut(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
         self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,

@@ -26,7 +26,7 @@ import time
 
 import jax
 
-from . import chat_template, faults, hf, remote_io, rundir, sharding, storage
+from . import chat_template, faults, hf, remote_io, rundir, runfiles, sharding, storage
 from . import signals as sig
 from .build import build, choose_start, object_store_config, store_failed, take
 from .config import Config, ConfigError
@@ -129,7 +129,7 @@ def eval_at_start(s: Session) -> None:
     step trains on and keeps the row; one with no checkpoint starts over and scores again."""
     if s.evaluator is None or not s.cfg.eval.at_start or s.step != 0:
         return
-    kept = [r for r in read_jsonl(s.parts.run_dir / "metrics.jsonl")
+    kept = [r for r in read_jsonl(s.parts.run_dir / runfiles.log("metrics"))
             if r.get("step") == 0 and r.get("eval/accuracy") is not None]
     row = {k: v for k, v in kept[-1].items() if k not in ("step", "time")} if kept else s.evaluate()
     if not kept:
@@ -222,7 +222,7 @@ def train_step(s: Session, groups: list) -> None:
 def commit(s: Session, groups: list, cut: list) -> None:
     """The step's groups leave the ledger and enter the lineage log (this process's share)."""
     if s.trained == 1 and s.primary:
-        storage.remove(s.parts.run_dir / "final.json")  # the run goes on past its end
+        storage.remove(s.parts.run_dir / runfiles.FINAL)  # the run goes on past its end
     with s.ledger.lock:
         s.ledger.commit(groups)
         s.logs.trained(s.step, groups)
