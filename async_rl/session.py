@@ -114,7 +114,7 @@ class Session:
         self.failed: BaseException | None = None  # this process's failure, kept for the next agreement
         self.save_blocking_s: float | None = None
         # The pump thread is mostly Python between engine calls; a shorter GIL switch interval
-        # keeps it from starving Orbax's commit thread (measured: commit 5.4 s -> 2.1 s).
+        # keeps it from starving Orbax's commit thread (figures: docs/benchmarks.md).
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(0.001)
         # What start-up built (JAX, compiled programs, the restored ledger) lives as long as
