@@ -5,6 +5,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+from async_rl import cli
 from async_rl import config as C
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,6 +85,6 @@ def test_quoted_overrides_are_config_fields():
 
 
 def test_quoted_subcommands_exist():
-    commands = set(re.findall(r'add_parser\("(\w+)"', (ROOT / "async_rl" / "cli.py").read_text()))
+    commands = set(re.findall(r'add_parser\("(\w+)"', Path(cli.__file__).read_text()))
     quoted = {c for _, line in _lines() for c in re.findall(r"async-rl (\w+)", line)}
     assert quoted <= commands, quoted - commands
