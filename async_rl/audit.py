@@ -31,9 +31,10 @@ from collections import Counter
 from pathlib import Path
 
 from . import applog, runfiles, storage
+from .errors import UsageError
 
 
-class AuditError(ValueError):
+class AuditError(UsageError):
     pass
 
 

@@ -18,11 +18,12 @@ from typing import Callable
 
 from . import config as C
 from . import faults, hf, runfiles
+from .errors import UsageError
 from .saved_run import open_run, read_params
 from .tokenizer import HFTokenizer
 
 
-class ExportError(ValueError):
+class ExportError(UsageError):
     """An --out that cannot be written as asked (exit 2); nothing was changed."""
 
 # Files a tokenizer directory may hold that a server needs beside the weights.

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import applog, remote_io, runfiles, storage
 from .config import ConfigError
+from .errors import RunFailure
 from .remote_io import StorageError
 
 # runfiles.MARKER is written once a checkpoint of the run is seen committed: from then on its
@@ -204,7 +205,7 @@ def storage_error(path, err: OSError, what: str = "write") -> OSError | StorageE
     return StorageError(path, why, what) if why else err
 
 
-class LockLostError(RuntimeError):
+class LockLostError(RunFailure):
     """The run lock of this process was taken by another one (exit 1); nothing was written after."""
 
 

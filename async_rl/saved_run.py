@@ -28,14 +28,16 @@ import yaml
 
 from . import config as C
 from . import runfiles, storage
-from .checkpoint import Checkpointer, Damaged
+from .checkpoint import Checkpointer
 from .ckpt_layout import committed_steps, step_dir
+from .errors import UsageError
+from .step_items import Damaged
 
 HOLD_PREFIX = ".async-rl-hold-"  # the held copy of a step, beside the run directory
 RETRY_S = 60.0  # how long a reader keeps chasing a live run's newest step
 
 
-class StepError(ValueError):
+class StepError(UsageError):
     """A step that cannot be read as asked (exit 2); nothing was changed."""
 
 
