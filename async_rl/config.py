@@ -56,7 +56,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | jsonl | parquet
-    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences)
+    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences) | lookup (needs a tool)
     path: str = ""  # prompt file for jsonl/parquet sources
     num_records: int = 2048  # records per epoch (synthetic); 0 = the whole file
     shuffle: bool = True  # reshuffle the records every epoch
@@ -71,13 +71,13 @@ class DataConfig:
 
     @property
     def char_vocab(self) -> bool:
-        """The digit tasks speak the synthetic character vocabulary; word problems are text."""
-        return self.source == "synthetic" and self.task != "word_problem"
+        """The digit tasks speak the synthetic character vocabulary; word problems and lookups are text."""
+        return self.source == "synthetic" and self.task not in ("word_problem", "lookup")
 
     def __post_init__(self):
         _one_of("data.source", self.source, ("synthetic", "jsonl", "parquet"))
         if self.source == "synthetic":
-            _one_of("data.task", self.task, ("reverse", "addition", "word_problem"))
+            _one_of("data.task", self.task, ("reverse", "addition", "word_problem", "lookup"))
             _check(self.num_records > 0, "data.num_records", self.num_records, "must be > 0")
         else:
             _check(bool(self.path), "data.path", self.path, f"required for data.source={self.source}")
@@ -201,6 +201,11 @@ class RolloutConfig:
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
     reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
+    env: str = ""  # multi-turn env: "" = single turn | lookup | mcp | module:factory (docs/envs-and-tools.md)
+    env_max_turns: int = 4  # built-in envs (lookup, mcp): assistant turns per episode
+    env_max_concurrent: int = 16  # env steps running at once
+    env_timeout_s: float = 60.0  # one env step running longer fails the run, seconds
+    mcp_server: str = ""  # rollout.env=mcp: streamable-HTTP URL (http://...) or stdio command of the server
 
     def __post_init__(self):
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
@@ -208,6 +213,12 @@ class RolloutConfig:
                "must be > 0")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
         _check(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
+        _check(self.env_max_turns > 0, "rollout.env_max_turns", self.env_max_turns, "must be > 0")
+        _check(self.env_max_concurrent > 0, "rollout.env_max_concurrent", self.env_max_concurrent, "must be > 0")
+        _check(self.env_timeout_s > 0, "rollout.env_timeout_s", self.env_timeout_s, "must be > 0")
+        if self.env == "mcp":
+            _check(bool(self.mcp_server.strip()), "rollout.mcp_server", self.mcp_server,
+                   "required for rollout.env=mcp (an http:// URL or a command)")
 
 
 @dataclass(frozen=True)

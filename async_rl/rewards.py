@@ -23,7 +23,7 @@ from async_rl.config import ConfigError
 RewardFn = Callable[[str, str], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
-_TASK_REWARDS = {"reverse": "reverse", "addition": "addition", "word_problem": "math_answer"}
+_TASK_REWARDS = {"reverse": "reverse", "addition": "addition", "word_problem": "math_answer", "lookup": "exact_match"}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
