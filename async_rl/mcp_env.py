@@ -35,6 +35,10 @@ def _transport(server: str):
     return StdioTransport(argv[0], argv[1:])
 
 
+class _ConnectCancelled(Exception):
+    """The step that was connecting was cancelled: a step waiting for it connects itself."""
+
+
 def _text(result) -> str:
     parts = []
     for block in result.content or ():
@@ -57,21 +61,34 @@ class MCPEnv:
         self.tools: list[dict] = []  # the server's tools (OpenAI function format), once connected
 
     async def _connect(self) -> set[str]:
-        # the first step connects; the steps running beside it wait for the same connection
-        if self._connected is None:
-            self._connected = asyncio.get_running_loop().create_future()
+        # the first step connects; the steps running beside it wait for the same connection,
+        # and take over connecting if the step that was connecting is cancelled (its timeout)
+        while True:
+            if self._connected is None:
+                return await self._open()
             try:
-                await self._client.__aenter__()
-                listed = await self._client.list_tools()
-            except BaseException as e:
-                self._connected.set_exception(ConnectionError(f"MCP server {self.server!r}: {type(e).__name__}: {e}"))
-                self._connected.exception()  # retrieved: no "never retrieved" warning if no one else waits
-                self._connected = None
-                raise ConnectionError(f"MCP server {self.server!r}: {type(e).__name__}: {e}") from None
-            self.tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                            "parameters": t.input_schema}} for t in listed]
-            self._connected.set_result({t.name for t in listed})
-        return await asyncio.shield(self._connected)
+                return await asyncio.shield(self._connected)
+            except _ConnectCancelled:
+                continue
+
+    async def _open(self) -> set[str]:
+        fut = self._connected = asyncio.get_running_loop().create_future()
+        try:
+            await self._client.__aenter__()
+            listed = await self._client.list_tools()
+        except BaseException as e:
+            cancelled = isinstance(e, asyncio.CancelledError)
+            err = ConnectionError(f"MCP server {self.server!r}: {type(e).__name__}: {e}")
+            fut.set_exception(_ConnectCancelled() if cancelled else err)
+            fut.exception()  # retrieved: no "never retrieved" warning if no one else waits
+            self._connected = None  # the next step tries again
+            if cancelled:
+                raise
+            raise err from None
+        self.tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                        "parameters": t.input_schema}} for t in listed]
+        fut.set_result({t.name for t in listed})
+        return fut.result()
 
     async def list_tools(self) -> list[dict]:
         await self._connect()

@@ -49,6 +49,15 @@ def add(a: int, b: int, ctx: Context) -> int:
 
 
 @mcp.tool
+async def sleepy(seconds: float, ctx: Context) -> str:
+    """Answers after `seconds`."""
+    import asyncio
+    record(ctx, "sleepy", {"seconds": seconds})
+    await asyncio.sleep(seconds)
+    return "awake"
+
+
+@mcp.tool
 def broken(ctx: Context) -> str:
     """Always fails."""
     record(ctx, "broken", {})
@@ -146,11 +155,11 @@ def test_tools_called_with_step_keys_in_meta(server):
     assert r[2].observation.startswith("error: malformed tool call: not JSON") and not r[2].done
     # a tool's own errors (unknown tool, arguments refused by its schema, a raise) are read back, in call order
     obs = r[3].observation
-    assert obs.startswith("error: unknown tool 'nosuch' (tools: add, broken, lookup)\nerror: ")
+    assert obs.startswith("error: unknown tool 'nosuch' (tools: add, broken, lookup, sleepy)\nerror: ")
     assert "valid integer" in obs and obs.endswith("the tool broke") and obs.count("error: ") == 3
     assert r[4] == StepResult(None, True, {"tool_calls": 2}, None, "tool")
     assert r[5].done and r[5].observation is None
-    assert sorted(t["function"]["name"] for t in tools) == ["add", "broken", "lookup"]
+    assert sorted(t["function"]["name"] for t in tools) == ["add", "broken", "lookup", "sleepy"]
     lookup = next(t["function"] for t in tools if t["function"]["name"] == "lookup")
     assert lookup["parameters"]["required"] == ["key"]
     # the server saw every call it ran once, each with its step's key; none for the steps that
@@ -178,6 +187,26 @@ def test_a_step_asked_again_sends_the_same_key(server):
         if not spec.startswith("http"):  # closing the env ends its stdio server
             wait_until(lambda: not _alive(calls(log)[-1]["pid"]), 10, "the stdio server's exit")
     assert [c["idempotency_key"] for c in calls(log)] == [f"{key}#0", f"{key}#0"]
+
+
+def test_a_tool_past_the_timeout_fails_its_step_and_the_connection_goes_on(server):
+    spec, log = server
+    runner = EnvRunner(MCPEnv(spec), max_concurrent=2, timeout_s=8)  # a stdio server starts in 1-3 s
+    slow, fast = StepKey("run-4", 1, 0, 0, 0), StepKey("run-4", 2, 0, 0, 0)
+    try:
+        (warm,) = run_steps(runner, [(fast, reply(render_call("lookup", {"key": "warm"})), {})]).values()
+        assert isinstance(warm, StepResult), warm  # connected
+        t0 = time.monotonic()
+        got = run_steps(runner, [(slow, reply(render_call("sleepy", {"seconds": 60})), {}),
+                                 (fast, reply(render_call("lookup", {"key": "b"})), {})], timeout=30)
+        assert time.monotonic() - t0 < 20
+        # the next step on the same connection, after the cancelled call
+        (after,) = run_steps(runner, [(fast, reply(render_call("lookup", {"key": "c"})), {})]).values()
+    finally:
+        assert runner.close(timeout_s=10) == []
+    assert str(got[str(slow)]) == ("env step did not return within rollout.env_timeout_s=8 s on prompt_id=1 turn=0 "
+                                   "(key run-4/1/0/0/0)")
+    assert got[str(fast)].observation == "value-b" and after.observation == "value-c"
 
 
 def test_an_unreachable_server_fails_the_step_in_one_line():
