@@ -256,3 +256,15 @@ def test_plan_presets_have_the_published_shapes(path, n_params):
     model = nnx.eval_shape(lambda: Transformer(m, m.vocab_size, rngs=nnx.Rngs(0)))
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param))) == n_params
     assert m.local_layers().count(False) == (m.n_layers // m.global_every if m.global_every else m.n_layers)
+
+
+def test_sliding_window_layers_count_only_the_pairs_they_attend():
+    base = ["model.qk_norm=true", "model.gemma=true", "model.global_every=3"]
+    cfg = cfg_of(*base, "model.sliding_window=4")  # T = 16: layers 0, 1 local, 2 global
+    T, m = 16, cfg.model
+    assert flops.attended_pairs(m, T) == T * T / 2 + 2 * (4 * T - 4 * 4 / 2)
+    assert flops.attended_pairs(m, T, causal=False) == 3 * T * T  # the masked square costs it all
+    wide = cfg_of(*base, "model.sliding_window=64")  # a window past the row: every layer causal
+    assert flops.attended_pairs(wide.model, T) == 3 * T * T / 2
+    assert flops.step_flops(cfg, 64)["attention"] < flops.step_flops(wide, 64)["attention"]
+    assert flops.kernel_flops(cfg) < flops.kernel_flops(wide)
