@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections import Counter
 from pathlib import Path
 
-from . import storage
+from . import runfiles, storage
+from .errors import UsageError
 
 
-class AuditError(ValueError):
+class AuditError(UsageError):
     pass
 
 
@@ -42,8 +42,7 @@ _FIELDS = {"step": 1, "prompt_id": 0, "epoch": 0, "ordinal": 0}  # required int 
 
 
 def _process_of(path: Path) -> int:
-    m = re.fullmatch(r"lineage(?:\.p(\d+))?\.jsonl", path.name)
-    return int(m.group(1) or 0) if m else -1
+    return runfiles.process_of(path.name, "lineage")
 
 
 def read_lineage(path: Path) -> list[tuple[int, int, dict]]:
@@ -69,7 +68,7 @@ def read_lineage(path: Path) -> list[tuple[int, int, dict]]:
 
 
 def _manifest(run: Path) -> dict:
-    manifest = run / "data.json"
+    manifest = run / runfiles.DATA
     if not manifest.is_file():
         raise AuditError(f"{manifest}: missing (is {run} a run directory?)")
     try:
@@ -90,10 +89,6 @@ def _checkpoint(run: Path, notes: list[str]) -> dict | None:
         return None
     step, meta, shards = got
     return {"step": step, "shards": shards, "generations": meta.get("generations") or []}
-
-
-def _log_name(i: int) -> str:
-    return "lineage.jsonl" if i == 0 else f"lineage.p{i}.jsonl"
 
 
 def _check_file(path: Path, rows, problems: list[str]) -> None:
@@ -175,7 +170,7 @@ def _check_history(ckpt: dict, files: dict, problems: list[str]) -> list[int]:
                             f"ledgers it read held {held}")
     for c in _cuts(ckpt):
         path, rows = files.get(c["i"], (None, []))
-        after += _check_cut(c, path or Path(_log_name(c["i"])), rows, problems)
+        after += _check_cut(c, path or Path(runfiles.log("lineage", c["i"])), rows, problems)
         covered.add((c["gen"], c["i"]))
     newest, s = len(ckpt["generations"]), ckpt["step"]
     for i, (path, rows) in files.items():
@@ -199,7 +194,7 @@ def audit(run_dir: str | Path) -> dict:
     problems: list[str] = []
     notes: list[str] = []
     ckpt = _checkpoint(run, notes)
-    logs = sorted((p for p in storage.glob(run, "lineage*.jsonl") if _process_of(p) >= 0), key=_process_of)
+    logs = sorted((p for p in storage.glob(run, runfiles.HISTORY_GLOBS[0]) if _process_of(p) >= 0), key=_process_of)
     files = {_process_of(p): (p, read_lineage(p)) for p in logs}
     rows: list[dict] = [r for _, proc_rows in files.values() for _, _, r in proc_rows]
     for path, proc_rows in files.values():
@@ -235,7 +230,7 @@ def audit(run_dir: str | Path) -> dict:
 
 
 def _final(run: Path) -> dict | None:
-    p = run / "final.json"
+    p = run / runfiles.FINAL
     if not p.is_file():
         return None
     try:

@@ -19,27 +19,18 @@ See docs/design.md, "The checkpoint" and "Run directory safety".
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import hashlib
-import io
 import json
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import grain
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
-from orbax.checkpoint import future
 
 from . import config as C
-from . import faults, remote_io, sharding, storage
+from . import faults, orbax_patch, remote_io, sharding, storage
 from .ckpt_layout import (
     COMMIT_FILE,
     committed_steps,
@@ -47,40 +38,39 @@ from .ckpt_layout import (
     iterator_file,
     last_committed,
     meta_file,
-    process_prefix,
     step_dir,
     temporary_path_class,
 )
+from .errors import RunFailure, UsageError
 from .ledger import Capture, LedgerSnapshot
+from .step_items import (
+    Damaged,
+    IteratorState,
+    LedgerSave,
+    json_digest,
+    process_prefix_here,
+    quiet_damaged_reads,
+    read_ledger,
+    read_signed_json,
+    saved_arrays,
+    sha256,
+    state_digests,
+    structure_diff,
+    target_arrays,
+    unreadable,
+)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UsageError):
     """A checkpoint that cannot be used as asked (exit 2); nothing was changed."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(RunFailure):
     """A save that did not commit (disk full, I/O error); the last committed step is intact."""
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunFailure):
     """Non-finite parameters must never be saved over good steps."""
-
-
-class Damaged(Exception):
-    """One item of a step is unreadable or fails its digest."""
-
-    def __init__(self, item: str, path: Path | str, why: str):
-        super().__init__(f"{item}: {why} ({path})")
-        self.item, self.path, self.why = item, str(path), why
-
-
-def _unreadable(item: str, path, e: BaseException) -> Damaged:
-    """A failed read of a step's item: Damaged, unless the store did not answer (StorageError:
-    a step is never set aside because its store was down)."""
-    why = remote_io.cause(e)
-    if why:
-        raise remote_io.StorageError(path, why, "read") from None
-    return Damaged(item, path, f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
 
 
 def _lost_lease(e: BaseException | None):
@@ -96,293 +86,6 @@ def _lost_lease(e: BaseException | None):
 # A wait for Orbax's background commit gives up after this long, seconds: every storage call
 # in it is bounded, so a commit still running is stuck (a stalled store gives up sooner).
 COMMIT_WAIT_S = 3600.0
-
-
-def _quiet_closed_loops() -> None:
-    """Orbax runs each read on a fresh event loop; when one read fails, tensorstore callbacks
-    still in flight land on the closed loop and Python prints each as an unraisable exception
-    (dozens of tracebacks around one clear warning). Only exactly those are dropped."""
-    prev = sys.unraisablehook
-    if getattr(prev, "quiet_closed_loops", False):
-        return
-
-    def hook(u):
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-            prev(u)
-    hook.quiet_closed_loops = True
-    sys.unraisablehook = hook
-
-
-class _OrbaxFailureLogs(logging.Filter):
-    """Orbax logs a failed background save with its traceback (several, from several threads)
-    before raising it to us; we report it once, naming the step and what is intact."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
-
-
-logging.getLogger("absl").addFilter(_OrbaxFailureLogs())
-
-
-def array_digest(arr: np.ndarray) -> str:
-    """blake2b-128 of an array's bytes: a flipped bit, a changed word and two swapped words all
-    change it."""
-    return hashlib.blake2b(np.ascontiguousarray(arr).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
-
-
-def _legacy_sum64(b: np.ndarray) -> int:
-    """The checksum ledger headers carried before `array_digest` (the wrapping sum of the
-    64-bit words, which does not see swapped words): still checked where a step has it."""
-    n = len(b) // 8 * 8
-    total = int(b[:n].view(np.uint64).sum(dtype=np.uint64)) if n else 0
-    if len(b) > n:
-        total += int(np.frombuffer(b[n:].tobytes() + bytes(8 - (len(b) - n)), np.uint64)[0])
-    return total % 2**64
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def json_digest(doc: dict) -> str:
-    return sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
-
-
-def _process_prefix(index: int | None = None, count: int | None = None) -> str:
-    return process_prefix(jax.process_index() if index is None else index,
-                          jax.process_count() if count is None else count)
-
-
-# ---- state digests -------------------------------------------------------------------------
-
-
-def _leaf_digest(x):
-    """A uint32 sum of a bijective mix of (bits, flat index) per element: any change to one
-    element changes it. Elementwise then one reduction, so a sharded leaf is never gathered
-    and the value does not depend on the sharding."""
-    if x.dtype == jnp.bool_:
-        u = x.astype(jnp.uint32)
-    else:
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-        u = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-    idx, stride = jnp.zeros(u.shape, jnp.uint32), 1
-    for d in reversed(range(u.ndim)):
-        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(stride % 2**32)
-        stride *= u.shape[d]
-    h = u ^ (idx * jnp.uint32(0x9E3779B9))
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    h = h ^ (h >> 16)
-    return jnp.sum(h, dtype=jnp.uint32)
-
-
-def _finite(x):
-    return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
-
-
-@jax.jit
-def _digest_leaves(leaves):
-    return [_leaf_digest(x) for x in leaves], jnp.all(jnp.stack([_finite(x) for x in leaves] or [jnp.bool_(True)]))
-
-
-def _host(x) -> np.ndarray:
-    """A replicated (possibly multi-process) scalar's value on this host."""
-    return np.asarray(x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x)
-
-
-def path_str(path) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
-
-
-def state_digests(state) -> tuple[dict[str, int], bool]:
-    """({leaf path: digest}, every floating leaf finite) of a (sharded) train state."""
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    digests, finite = _digest_leaves([leaf for _, leaf in flat])
-    return ({path_str(p): int(_host(d)) for (p, _), d in zip(flat, digests)}, bool(_host(finite)))
-
-
-class _DamagedReads(logging.Filter):
-    """Orbax reads a state's arrays' metadata in concurrent tasks; on a damaged step the first
-    failure is raised (and reported as Damaged), the others are logged by asyncio whenever their
-    tasks are collected ("Task exception was never retrieved"). Only those records are dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not ("Task exception was never retrieved" in msg and "DATA_LOSS" in msg)
-
-
-def _quiet_damaged_reads() -> None:
-    log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DamagedReads) for f in log.filters):
-        log.addFilter(_DamagedReads())
-
-
-def _saved_arrays(state_dir: Path) -> dict[str, tuple[tuple, str]]:
-    """{leaf path: (shape, dtype)} of a saved state item, from Orbax's metadata (no array read)."""
-    handler = ocp.StandardCheckpointHandler()
-    try:
-        md = handler.metadata(epath.Path(state_dir))
-    finally:
-        handler.close()
-    tree = getattr(md, "tree", md)
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {path_str(p): (tuple(m.shape), str(np.dtype(m.dtype))) for p, m in flat}
-
-
-def _target_arrays(abstract) -> dict[str, tuple[tuple, str]]:
-    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    return {path_str(p): (tuple(a.shape), str(np.dtype(a.dtype))) for p, a in flat}
-
-
-def structure_diff(saved: dict, target: dict, limit: int = 6) -> list[str]:
-    out = []
-    for k in sorted(saved.keys() | target.keys()):
-        if k not in target:
-            out.append(f"{k}: in the checkpoint, not in this config's state")
-        elif k not in saved:
-            out.append(f"{k}: in this config's state, not in the checkpoint")
-        elif saved[k] != target[k]:
-            out.append(f"{k}: saved {saved[k][0]} {saved[k][1]}, now {target[k][0]} {target[k][1]}")
-    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
-
-
-# ---- the ledger item ---------------------------------------------------------------------
-
-
-class LedgerHandler(ocp.AsyncCheckpointHandler):
-    """Writes each process's ledger shard as `<prefix>.bin` (every ragged array back to back)
-    and `<prefix>.json` (the header, where each array lies in the .bin with a blake2b digest of its
-    bytes, the sha256 of the process's iterator state, and a digest of the header itself).
-
-    One file of raw bytes costs what one np.save of them costs. Asynchronous: the arrays are
-    built from the cut and written from Orbax's background commit, so a save holds the learner
-    only for the cut."""
-
-    def _write(self, directory: epath.Path, args: "LedgerSave") -> None:
-        remote = storage.is_remote(directory)
-        directory = storage.run_path(str(directory)) if remote else Path(directory)
-        storage.mkdirs(directory)
-        pre, snap = _process_prefix(), args.cut.build()
-        index, offset = {}, 0
-        # an object is written whole (one PUT of the buffer); a local file as it goes
-        with (io.BytesIO() if remote else open(directory / f"{pre}.bin", "wb")) as f:
-            for i, (name, arr) in enumerate(snap.arrays.items()):
-                arr = np.ascontiguousarray(arr)
-                index[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
-                               "blake2b": array_digest(arr)}
-                f.write(arr.tobytes()) if remote else arr.tofile(f)
-                offset += arr.nbytes
-                if i == 1:
-                    f.flush()
-                    faults.point("ckpt_write", args.step)
-                    faults.raise_enospc("ledger", args.step)
-            if remote:
-                storage.write_atomic(directory / f"{pre}.bin", f.getvalue())
-        header = dict(snap.header, arrays=index, bytes=offset,
-                      iterator_sha256=args.iterator_sha256)
-        header["header_sha256"] = json_digest(header)
-        storage.write_atomic(directory / f"{pre}.json", json.dumps(header)) if remote else \
-            (directory / f"{pre}.json").write_text(json.dumps(header))
-
-    async def async_save(self, directory: epath.Path, args: "LedgerSave"):
-        async def write():
-            await asyncio.to_thread(self._write, directory, args)
-        return [future.CommitFutureAwaitingContractedSignals(write(), name="ledger_save")]
-
-    def save(self, directory: epath.Path, args: "LedgerSave") -> None:
-        self._write(directory, args)
-
-    def restore(self, directory: epath.Path, args: "LedgerRestore" = None) -> LedgerSnapshot:
-        return read_ledger(storage.run_path(str(directory)), _process_prefix())
-
-    def metadata(self, directory: epath.Path) -> Any:
-        return None
-
-    def finalize(self, directory: epath.Path) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _read_signed_json(item: str, path: Path, digest_key: str) -> dict:
-    """A JSON object that carries the digest of the rest of itself under `digest_key`."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise _unreadable(item, path, e) from None
-    if not isinstance(doc, dict):
-        raise Damaged(item, path, "not a JSON object")
-    want = doc.pop(digest_key, None)
-    if want is not None and json_digest(doc) != want:
-        raise Damaged(item, path, "digest mismatch (the file was changed after it was written)")
-    return doc
-
-
-def read_ledger(directory: Path, prefix: str) -> LedgerSnapshot:
-    """One process's ledger shard, checked against its digests; raises Damaged."""
-    jpath, bpath = directory / f"{prefix}.json", directory / f"{prefix}.bin"
-    header = _read_signed_json("ledger", jpath, "header_sha256")
-    try:
-        index, size = header.pop("arrays"), header.pop("bytes")
-        raw = bpath.read_bytes()
-    except (KeyError, OSError) as e:
-        raise _unreadable("ledger", bpath, e) from None
-    if len(raw) != size:
-        raise Damaged("ledger", bpath, f"{len(raw)} bytes, the header says {size} (truncated?)")
-    arrays = {}
-    try:
-        for name, a in index.items():
-            dt, shape = np.dtype(a["dtype"]), tuple(a["shape"])
-            arrays[name] = np.frombuffer(raw, dt, count=int(np.prod(shape)), offset=a["offset"]).reshape(shape)
-            if ("blake2b" in a and array_digest(arrays[name]) != a["blake2b"]) or \
-                    ("sum64" in a and _legacy_sum64(arrays[name].reshape(-1).view(np.uint8)) != a["sum64"]):
-                raise Damaged("ledger", bpath, f"checksum mismatch in array {name!r} (the file was changed "
-                                               "after it was written)")
-        snap = LedgerSnapshot(header=header, arrays=arrays)
-        snap.validate()
-    except (KeyError, TypeError, ValueError) as e:
-        raise Damaged("ledger", bpath, f"invalid ({e})") from None
-    return snap
-
-
-@ocp.args.register_with_handler(LedgerHandler, for_save=True)
-@dataclasses.dataclass
-class LedgerSave(ocp.args.CheckpointArgs):
-    cut: Capture  # the ledger at the cut (a LedgerSnapshot works too: it has build())
-    step: int = -1
-    iterator_sha256: str | None = None  # of this process's iterator state at the same cut
-
-
-@ocp.args.register_with_handler(LedgerHandler, for_restore=True)
-@dataclasses.dataclass
-class LedgerRestore(ocp.args.CheckpointArgs):
-    pass
-
-
-class IteratorState:
-    """The iterator state captured at the cut; Grain's handler saves/restores it as JSON."""
-
-    def __init__(self, state: dict | None = None):
-        self.state = state
-
-    def get_state(self) -> bytes:
-        return json.dumps(self.state).encode()
-
-    def set_state(self, raw: bytes) -> None:
-        self.state = json.loads(raw)
-
-    def start_prefetch(self) -> None:  # called by Grain's handler after restore
-        pass
 
 
 # ---- choosing and restoring a step ----------------------------------------------------------
@@ -427,6 +130,7 @@ class _FaultyCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool):
+        orbax_patch.install()
         self.directory = storage.run_path(directory) if storage.is_remote(directory) else Path(directory).absolute()
         self.keep, self.async_save = keep, async_save
         self.mngr: ocp.CheckpointManager | None = None  # opened by `open()`: reading needs none
@@ -437,7 +141,7 @@ class Checkpointer:
     def open(self) -> None:
         """Starts writing (creates the directory, clears uncommitted temporaries). On an object
         store old steps are deleted by `prune` instead of Orbax, under the run's lease check."""
-        _quiet_closed_loops()  # a commit given up leaves tensorstore callbacks for its closed loop
+        orbax_patch.quiet_closed_loops()  # a commit given up leaves tensorstore callbacks for its closed loop
         remote = storage.is_remote(self.directory)
         opts = ocp.CheckpointManagerOptions(max_to_keep=None if remote else self.keep,
                                             enable_async_checkpointing=self.async_save,
@@ -579,7 +283,7 @@ class Checkpointer:
     def restore(self, step: int, abstract_state, *, cfg: C.Config | None = None) -> Restored:
         """Restores and verifies step `step`; raises Damaged, or ConfigError for a config that
         does not fit it."""
-        _quiet_closed_loops()
+        orbax_patch.quiet_closed_loops()
         d = step_dir(self.directory, step)
         meta = self.read_meta(step)
         changes = _check_config(meta, cfg, d) if cfg is not None else []
@@ -603,24 +307,24 @@ class Checkpointer:
 
     def read_meta(self, step: int) -> dict:
         """Step `step`'s meta document, checked against its digest; raises Damaged."""
-        return _read_signed_json("meta", meta_file(step_dir(self.directory, step)), "meta_sha256")
+        return read_signed_json("meta", meta_file(step_dir(self.directory, step)), "meta_sha256")
 
     def read_params(self, step: int, abstract_params):
         """The `params` half of step `step`'s state, checked against the digests the save
         recorded (the optimizer is not read); raises Damaged. Reads only: a damaged step is
         left where it is."""
-        _quiet_closed_loops()
+        orbax_patch.quiet_closed_loops()
         return self._read_state(step, {"params": abstract_params}, self.read_meta(step))["params"]
 
     def read_ledgers(self, step: int) -> tuple[dict, list[LedgerSnapshot]]:
         """(meta, every process's ledger shard) of step `step`, verified; raises Damaged."""
         meta = self.read_meta(step)
         n = int(meta.get("processes", 1))
-        return meta, [read_ledger(step_dir(self.directory, step) / "ledger", _process_prefix(i, n))
+        return meta, [read_ledger(step_dir(self.directory, step) / "ledger", process_prefix_here(i, n))
                       for i in range(n)]
 
     def _read_shard(self, d: Path, index: int, count: int) -> tuple[LedgerSnapshot, dict]:
-        ledger = read_ledger(d / "ledger", _process_prefix(index, count))
+        ledger = read_ledger(d / "ledger", process_prefix_here(index, count))
         return ledger, self._read_iterator(iterator_file(d, index, count), ledger.header.get("iterator_sha256"))
 
     def _read_iterator(self, path: Path, want: str | None) -> dict:
@@ -628,7 +332,7 @@ class Checkpointer:
             raw = path.read_bytes()
             state = json.loads(raw)
         except (OSError, ValueError) as e:
-            raise _unreadable("data", path, e) from None
+            raise unreadable("data", path, e) from None
         if want is not None and sha256(raw) != want:
             raise Damaged("data", path, "sha256 mismatch with the ledger's record of it")
         if not isinstance(state, dict):
@@ -647,7 +351,7 @@ class Checkpointer:
         except remote_io.StorageError:
             raise
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-            raise _unreadable("state", d, e) from None
+            raise unreadable("state", d, e) from None
         finally:
             reader.close()
         saved = (meta.get("digests") or {}).get("state")
@@ -702,17 +406,17 @@ def _check_structure(state_dir: Path, abstract_state, cfg: C.Config | None, chan
     """Refuses a state whose structure differs from this config's, unless only the optimizer's
     differs and run.reset_optimizer=true; returns whether to reset the optimizer."""
     try:
-        saved = _saved_arrays(state_dir)
+        saved = saved_arrays(state_dir)
     except (MemoryError, KeyboardInterrupt):
         raise
     except remote_io.StorageError:
         raise
     except Exception as e:
-        _quiet_damaged_reads()
+        quiet_damaged_reads()
         if remote_io.cause(e):
-            raise _unreadable("state", state_dir, e) from None
+            raise unreadable("state", state_dir, e) from None
         raise Damaged("state", state_dir, f"metadata unreadable ({type(e).__name__}: {str(e)[:200]})") from None
-    target = _target_arrays(abstract_state)
+    target = target_arrays(abstract_state)
     if saved == target:
         return False
     params_only = {k: v for k, v in saved.items() if k.startswith("params.")}

@@ -6,9 +6,9 @@ temporary directory to the step's name; on an object store, where Orbax writes t
 directory in place, its `commit_success.txt`: a half-written step is never listed), the
 commit protocol each backend uses (`temporary_path_class`),
 the items of a step, the meta document's file, each process's file-name prefix (the ledger
-item's `<prefix>.json`/`.bin` are checkpoint's own format), the data item's per-process
-file (Grain's handler writes one JSON per process), and where Orbax's arrays go on s3:// (the
-tensorstore kvstore it opens there). Does not own: writing, reading or verifying those files
+item's `<prefix>.json`/`.bin` are checkpoint's own format), and the data item's per-process
+file (Grain's handler writes one JSON per process). Where Orbax's arrays go on s3:// is
+`orbax_patch`'s. Does not own: writing, reading or verifying those files
 (checkpoint, saved_run).
 """
 
@@ -22,9 +22,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import checkpoint as _ckpt_metadata
 from orbax.checkpoint._src.path import async_path as _async_path
-from orbax.checkpoint._src.serialization import tensorstore_utils as _ts_utils
 
-from . import remote_io, storage
+from . import storage
 
 ITEMS = ("state", "data", "ledger", "meta")  # the Composite items of every step
 COMMIT_FILE = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # the object that makes a step committed on an object store
@@ -53,49 +52,6 @@ class _LeasedCommit(ocp.path.atomicity.CommitFileTemporaryPath):
 
 _COMMIT_FILE = _LeasedCommit
 _REMOTE_NAMES = ocp.path.step.standard_name_format(temporary_path_cls=_COMMIT_FILE)
-
-
-def _route_arrays() -> None:
-    """Orbax 0.12.8 opens tensorstore kvstores for gs:// and absolute local paths only (an s3://
-    directory is refused as relative). Every kvstore spec it builds comes from
-    `build_kvstore_tspec`; for an s3:// directory that now returns the spec Orbax builds for the
-    same key under gs:// (its object-store layout: OCDBT, no file locking) with each `gcs`
-    kvstore replaced by tensorstore's `s3` one. A gs:// spec gets the retry policy bounded by
-    run.storage_timeout_s (`remote_io.tensorstore_retries`). Local paths pass through untouched."""
-    build = _ts_utils.build_kvstore_tspec
-    if getattr(build, "routes_s3", False):
-        return
-
-    def build_kvstore_tspec(directory, name=None, **kwargs):
-        d = str(directory)
-        if d.startswith("gs://"):
-            return _gcs_to(build(directory, name, **kwargs), s3=False)
-        if not d.startswith("s3://"):
-            return build(directory, name, **kwargs)
-        return _gcs_to(build("gs://" + d[len("s3://"):], name, **kwargs), s3=True)
-
-    build_kvstore_tspec.routes_s3 = True
-    _ts_utils.build_kvstore_tspec = build_kvstore_tspec
-
-
-def _gcs_to(spec, s3: bool):
-    """`spec` with each gcs kvstore made an s3 one (`s3`) or given the bounded retry policy."""
-    if isinstance(spec, list):
-        return [_gcs_to(x, s3) for x in spec]
-    if isinstance(spec, str) and spec.startswith("gs://") and s3:
-        return storage.tensorstore_kvstore("s3://" + spec[len("gs://"):])
-    if not isinstance(spec, dict):
-        return spec
-    if spec.get("driver") in ("gcs", "gcs_grpc"):
-        if not s3:
-            context = {**spec.get("context", {}), "gcs_request_retries": remote_io.tensorstore_retries()}
-            return {**spec, "context": context}
-        rest = {k: v for k, v in spec.items() if k not in ("driver", "bucket", "path")}
-        return {**rest, **storage.tensorstore_kvstore(f"s3://{spec['bucket']}/{spec.get('path', '')}")}
-    return {k: _gcs_to(v, s3) for k, v in spec.items()}
-
-
-_route_arrays()
 
 
 def temporary_path_class(ckpt_dir) -> type | None:

@@ -12,7 +12,8 @@ import json
 import sys
 
 from . import config as C
-from . import faults, signals
+from . import faults, runfiles, signals
+from .errors import RunFailure, UsageError
 
 
 def _groups_help() -> str:
@@ -111,6 +112,7 @@ def _keep_off_libtpu(cmd: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     # before anything heavy is imported: a SIGTERM during imports or start-up is kept, not fatal
+    signals.register_exit_hook()
     handlers = signals.install()
     code = 1
     try:
@@ -141,24 +143,23 @@ def _main(argv: list[str] | None) -> int:
     if args.cmd in ("audit", "eval", "export"):
         try:
             _probe(args.run_dir)
-        except C.ConfigError as e:
+        except UsageError as e:
             return _err(str(e), 2)
     if args.cmd == "audit":
-        from .audit import AuditError, audit, format_report
+        from .audit import audit, format_report
         try:
             rep = audit(args.run_dir)
-        except (AuditError, OSError, C.ConfigError) as e:
+        except (UsageError, OSError) as e:
             return _err(str(e), 2)
         except StorageError as e:
             return _err(f"{e}; {e.hint}", 2)
         print(json.dumps(rep, indent=1) if args.json else format_report(rep))
         return 0 if rep["ok"] else 1
     if args.cmd == "eval":
-        from .data import DataError
         from .evaluate import eval_run
         try:
             step, scores, what = eval_run(args.run_dir, args.step, args.overrides, warn=_warn)
-        except (C.ConfigError, DataError, FileNotFoundError, ValueError) as e:
+        except (UsageError, FileNotFoundError, ValueError) as e:
             return _err(str(e), 2)
         except StorageError as e:
             return _err(f"{e}; {e.hint}", 2)
@@ -172,7 +173,7 @@ def _main(argv: list[str] | None) -> int:
         from .export import export
         try:
             out, step = export(args.run_dir, args.out, step=args.step, warn=_warn)
-        except (C.ConfigError, FileNotFoundError, ValueError) as e:
+        except (UsageError, FileNotFoundError, ValueError) as e:
             return _err(str(e), 2)
         except StorageError as e:
             return _err(f"{e}; {e.hint}", 2)
@@ -183,7 +184,7 @@ def _main(argv: list[str] | None) -> int:
     from . import hf
     try:
         cfg = hf.resolve(C.load(args.config, args.overrides))  # model.hf_path fills in the architecture
-    except C.ConfigError as e:
+    except UsageError as e:
         return _err(str(e), 2)
     print("# resolved config\n" + C.to_yaml(cfg), flush=True)
     if args.print_config:
@@ -192,21 +193,16 @@ def _main(argv: list[str] | None) -> int:
         from .vllm_rollout import split_gpu_memory
         split_gpu_memory(cfg.engine.gpu_memory_utilization)  # before JAX takes a GPU
     from . import remote_io
-    from .checkpoint import CheckpointError, CheckpointWriteError, NonFiniteError
-    from .data import DataError
-    from .pump import RewardError
-    from .rundir import LockLostError, storage_error
-    from .sharding import PeerFailedError, init_distributed
+    from .rundir import storage_error
+    from .sharding import init_distributed
     from .train import train
     init_distributed()
     try:
         res = train(cfg)
-    except (C.ConfigError, DataError, CheckpointError) as e:
-        return _err(str(e), 2)
-    except (NonFiniteError, CheckpointWriteError, LockLostError, RewardError, PeerFailedError) as e:
-        return _err(str(e), 1)
     except StorageError as e:
         return _stopped(e)
+    except (UsageError, RunFailure) as e:
+        return _err(str(e), e.exit_code)
     except PermissionError as e:
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
     except MemoryError:
@@ -232,7 +228,7 @@ def _kept(cfg) -> str:
     from .ckpt_layout import last_committed
     from .storage import run_path
     try:
-        return f"{cfg.run.dir}: {last_committed(run_path(cfg.run.dir) / 'checkpoints')}"
+        return f"{cfg.run.dir}: {last_committed(run_path(cfg.run.dir) / runfiles.CHECKPOINTS)}"
     except OSError:
         return f"{cfg.run.dir} keeps its last committed checkpoint"
 
@@ -253,7 +249,7 @@ def _plan(args) -> int:
         cfg = hf.resolve(C.load(args.config, args.overrides))
         rep = plan(cfg, args.topology, config_name=args.config or "", hbm_gib=args.hbm_gib, cost=not args.no_cost,
                    engine=not args.no_engine)
-    except C.ConfigError as e:
+    except UsageError as e:
         return _err(str(e), 2)
     print(json.dumps(rep.as_json(), indent=1) if args.json else format_report(rep), flush=True)
     return 0 if rep.fits else 1

@@ -21,8 +21,10 @@ from typing import Any, Optional
 
 import yaml
 
+from .errors import UsageError
 
-class ConfigError(ValueError):
+
+class ConfigError(UsageError):
     """A usage or configuration error: the CLI prints it on one line and exits 2."""
 
 

@@ -30,11 +30,12 @@ import numpy as np
 
 from async_rl import word_problems
 from async_rl.config import Config, ConfigError
+from async_rl.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """A prompt file or record that cannot be used; names the file and line."""
 
 

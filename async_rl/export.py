@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Callable
 
 from . import config as C
-from . import faults, hf
+from . import faults, hf, runfiles
+from .errors import UsageError
 from .saved_run import open_run, read_params
 from .tokenizer import HFTokenizer
 
 
-class ExportError(ValueError):
+class ExportError(UsageError):
     """An --out that cannot be written as asked (exit 2); nothing was changed."""
 
 # Files a tokenizer directory may hold that a server needs beside the weights.
@@ -98,7 +99,7 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
     run = open_run(run_dir)
     cfg, tok, vocab = run.cfg, run.tok, run.vocab
     if cfg.model.learned_positions:
-        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {run.run_dir / 'config.yaml'}: "
+        raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {run.run_dir / runfiles.CONFIG}: "
                          "a learned position table has no Hugging Face Llama/Qwen2 equivalent; such a run cannot "
                          "be exported")
     step, params = read_params(run, step, warn=warn)

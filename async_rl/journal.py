@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import journal_store, remote_io, signals, storage
+from . import journal_store, remote_io, runfiles, signals, storage
 from .journal_format import (
     FORMAT,
     Entry,
@@ -64,7 +64,7 @@ class Journal:
 
     def __init__(self, run_dir, *, process_index: int, process_count: int, sig: dict, step: int,
                  fsync_every_s: float, bound: int, deterministic: bool, log, drop, generation: int = 0):
-        self.root = run_dir / "journal"
+        self.root = run_dir / runfiles.JOURNAL
         self.dir = self.root / f"p{process_index}"
         self.layout = (generation, process_index, process_count)
         self.sig, self.every, self.bound = sig, fsync_every_s, bound

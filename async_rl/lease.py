@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 
-from . import remote_io, storage
+from . import remote_io, runfiles, storage
 from .remote_io import StorageError
 from .rundir import LockLostError, RunDirError, history
 
@@ -133,7 +133,7 @@ class LeaseLock:
 
     def __init__(self, run_dir, process_index: int = 0, lease_s: float = 60.0):
         self.run_dir = run_dir
-        self.path = run_dir / (".lock" if process_index == 0 else f".lock.p{process_index}")
+        self.path = run_dir / runfiles.lock(process_index)
         self.lease_s = float(lease_s)
         self._version: str | None = None
         self._doc: dict = {}
@@ -252,8 +252,8 @@ class LeaseLock:
     def _had_holder(self) -> bool:
         """Did a process hold this lease before? (the run has history; for process i > 0, its
         own lineage: a job grown to more processes has none, and its new leases are absent)"""
-        suffix = self.path.name[len(".lock"):]
-        return storage.is_log(self.run_dir / f"lineage{suffix}.jsonl") if suffix else bool(history(self.run_dir))
+        i = int(self.path.name.rpartition(".p")[2]) if self.path.name != runfiles.lock(0) else 0
+        return storage.is_log(self.run_dir / runfiles.log("lineage", i)) if i else bool(history(self.run_dir))
 
     def settle(self, log, should_stop=lambda: False) -> None:
         """Waits, where the lease was found missing, until any process that held it has stopped

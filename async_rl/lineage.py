@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from . import storage
+from . import runfiles, storage
 from .ledger import Group
 from .rundir import storage_error
 
@@ -116,18 +116,18 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class RunLogs:
-    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer, suffix: str = "", generation: int = 0):
-        """`suffix` (".p1", ...) names the logs of process i > 0 of a multi-host job; `generation`
+    def __init__(self, run_dir: Path, *, rollouts: bool, tokenizer, process_index: int = 0, generation: int = 0):
+        """`process_index` names the logs (process i > 0 of a multi-host job has its own); `generation`
         (how many times the run was re-partitioned onto another process count) tags each line
         after the first, since ordinals count from 0 again in each generation."""
         self.tok = tokenizer
         self.gen = generation
-        self.lineage = open_log(run_dir / f"lineage{suffix}.jsonl")
-        self.drops = open_log(run_dir / f"drops{suffix}.jsonl")
-        self.rollouts = open_log(run_dir / f"rollouts{suffix}.jsonl") if rollouts else None
+        self.lineage = open_log(run_dir / runfiles.log("lineage", process_index))
+        self.drops = open_log(run_dir / runfiles.log("drops", process_index))
+        self.rollouts = open_log(run_dir / runfiles.log("rollouts", process_index)) if rollouts else None
         # with rollouts off the file keeps what earlier sessions wrote: its size is still
         # recorded at each cut, so that turning them on again later cuts nothing of it
-        self._rollouts_off = None if rollouts else run_dir / f"rollouts{suffix}.jsonl"
+        self._rollouts_off = None if rollouts else run_dir / runfiles.log("rollouts", process_index)
 
     def _logs(self):
         return [(n, getattr(self, n)) for n in LOGS if getattr(self, n) is not None]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import storage
+from . import runfiles, storage
 from .lineage import open_log, read_jsonl
 
 
@@ -118,14 +118,14 @@ class MetricsSink:
                "perf/learner_idle_frac", "rollout/staleness_mean")
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
-                 start_step: int, console=print, name: str = "metrics.jsonl", wandb=None):
+                 start_step: int, console=print, name: str = runfiles.log("metrics"), wandb=None):
         self.jsonl = open_log(run_dir / name)
         self.wandb = wandb  # a wandb_log.WandbLog: every step W&B does not have yet
         self.every, self.console = every, console
         self.tb = None
         if tensorboard:
             from .tbwriter import EventWriter  # written on this thread: a full disk raises, never hangs
-            self.tb = EventWriter(run_dir / "tb", purge_step=start_step + 1)
+            self.tb = EventWriter(run_dir / runfiles.TB, purge_step=start_step + 1)
         self.progress = None
         if progress:
             from rich.console import Console

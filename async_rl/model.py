@@ -53,7 +53,7 @@ class Recent:
     """The columns a multi-step decode call has made so far, kept beside the cache: inside a
     call the cache is only read, and `write_recent` puts these into it once at the call's
     end. (Written every step, a cache whose head dim is under the TPU's 128 lanes, laid out
-    with its columns minor, was copied to another layout and back per token: 4.7x the bytes
+    with its columns minor, is copied to another layout and back per token: 4.7x the bytes
     of weights + KV cache per step on the Qwen2.5-0.5B shape at 256 slots.)"""
     k: jax.Array  # [n_layers, B, Hkv, K, hd]: column c0_B + j at j
     v: jax.Array  # [n_layers, B, Hkv, K, hd]

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from . import faults, signals
+from .errors import RunFailure
 from .ledger import Group, Ledger, Sample, State
 from .rewards import as_real
 from .rollout import BuiltinRollout, Rollout, Start
@@ -441,6 +442,6 @@ class Pump:
             self._reward(todo)
 
 
-class RewardError(RuntimeError):
+class RewardError(RunFailure):
     pass
 

@@ -25,6 +25,8 @@ import os
 import threading
 import time
 
+from .errors import RunFailure
+
 DEFAULT_TIMEOUT_S = 300.0
 STALL_S = 5.0  # a call unanswered this long counts as a stall once the run is asked to stop
 _CONN_ERRNOS = {errno.ECONNREFUSED: "connection refused", errno.ECONNRESET: "connection reset",
@@ -33,7 +35,7 @@ _CONN_ERRNOS = {errno.ECONNREFUSED: "connection refused", errno.ECONNRESET: "con
 _STATUS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "UNAUTHENTICATED")  # tensorstore's absl status codes
 
 
-class StorageError(RuntimeError):
+class StorageError(RunFailure):
     """A storage operation that failed or did not answer: names the path, what was done and why.
     `hint` says what to fix before running the same command again."""
 
@@ -387,11 +389,19 @@ class _Retries(logging.Filter):
 
 
 _fsspec_sync = None
+FSSPEC_VERSION = "2026.9.0"  # the fsspec whose `sync` `_sync` stands in for (its signature and behaviour)
 
 
 def _install() -> None:
+    """Installed at this process's first object-store call (`ensure`), never at import;
+    `uninstall` puts fsspec's own back."""
     global _fsspec_sync
+    import fsspec
     import fsspec.asyn
+    if fsspec.__version__ != FSSPEC_VERSION:
+        from .config import ConfigError
+        raise ConfigError(f"fsspec {fsspec.__version__} is installed; async_rl's storage bound is written for "
+                          f"{FSSPEC_VERSION} (pip install -c constraints.txt -e '.[gcs,s3]')")
     if fsspec.asyn.sync is not _sync:
         _fsspec_sync = fsspec.asyn.sync
         fsspec.asyn.sync = _sync
@@ -400,3 +410,14 @@ def _install() -> None:
         log.addFilter(_Retries())
         log.setLevel(logging.DEBUG)
         log.propagate = False
+
+
+def uninstall() -> None:
+    """Puts back fsspec's `sync` and the gcsfs logger as they were before `_install`."""
+    import fsspec.asyn
+    if _fsspec_sync is not None and fsspec.asyn.sync is _sync:
+        fsspec.asyn.sync = _fsspec_sync
+    log = logging.getLogger("gcsfs")
+    for f in [f for f in log.filters if isinstance(f, _Retries)]:
+        log.removeFilter(f)
+    _S.configured = False

@@ -17,19 +17,18 @@ See docs/design.md, "Elastic resume".
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 
 import jax
 
 from . import data as data_mod
-from . import storage
+from . import runfiles, storage
 from .checkpoint import Restored, saved_processes
 from .ledger import Group, Ledger, LedgerSnapshot
 
 _COUNTERS = ("trained_groups", "trained_tokens", "regenerated_groups", "regenerated_tokens")
-_PROCESS_LOG = re.compile(r"(lineage|drops|rollouts|metrics)\.p(\d+)\.jsonl")
+_PROCESS_LOG = runfiles.PROCESS_LOG
 
 
 def restore_data(parts, restored: Restored, log) -> None:
@@ -191,5 +190,5 @@ def cut_inactive_logs(run_dir: Path, generations: list, processes: int) -> int:
 
 def count_note(run_dir: Path) -> str:
     """For an error about the process count: the count the run's newest checkpoint was written by."""
-    got = saved_processes(storage.run_path(run_dir) / "checkpoints")
+    got = saved_processes(storage.run_path(run_dir) / runfiles.CHECKPOINTS)
     return f"; checkpoint step {got[0]} in {run_dir} was written by {got[1]} process(es)" if got else ""

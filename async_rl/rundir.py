@@ -25,17 +25,16 @@ import socket
 import time
 from pathlib import Path
 
-from . import remote_io, storage
+from . import remote_io, runfiles, storage
 from .config import ConfigError
+from .errors import RunFailure
 from .remote_io import StorageError
 
 # Files and folders that hold a run's history; a fresh start never truncates them.
-HISTORY_GLOBS = ("lineage*.jsonl", "metrics*.jsonl", "drops*.jsonl", "rollouts*.jsonl")
-HISTORY_DIRS = ("checkpoints", "damaged", "tb", "journal", "wandb")
-MANIFESTS = ("config.yaml", "data.json", "final.json", "reward.png", ".checkpointed", "wandb.json")
+HISTORY_GLOBS, HISTORY_DIRS, MANIFESTS = runfiles.HISTORY_GLOBS, runfiles.HISTORY_DIRS, runfiles.MANIFESTS
 # Written once a checkpoint of the run is seen committed: from then on its logs are history
 # that a checkpoint covered, and a directory that has lost every step is never started over.
-MARKER = ".checkpointed"
+MARKER = runfiles.MARKER
 # Written before a restart moves anything, removed after: names the folder it moves into,
 # so that a restart killed half-way is recognised and finished, never resumed from.
 RESTARTING = ".restarting"
@@ -133,7 +132,7 @@ def history(path: Path) -> dict[str, int]:
 
 def durable(path: Path) -> bool:
     """Did a checkpoint ever cover this run's logs? (marker written, or damaged steps set aside)"""
-    return storage.is_file(path / MARKER) or _nonempty(path / "damaged") > 0
+    return storage.is_file(path / MARKER) or _nonempty(path / runfiles.DAMAGED) > 0
 
 
 def mark_checkpointed(path: Path, step: int) -> None:
@@ -154,7 +153,7 @@ def interrupted_restart(path: Path) -> Path | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return path / "previous"  # torn: still a restart that did not finish
+        return path / runfiles.PREVIOUS  # torn: still a restart that did not finish
 
 
 def archive_history(path: Path) -> Path:
@@ -164,8 +163,8 @@ def archive_history(path: Path) -> Path:
 
     p = path
     dest = interrupted_restart(p)
-    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(p / "previous"):
-        dest = p / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(p / runfiles.PREVIOUS):
+        dest = p / runfiles.PREVIOUS / time.strftime("%Y%m%d-%H%M%S")
         n = 0
         while storage.exists(dest):
             n += 1
@@ -208,7 +207,7 @@ def storage_error(path, err: OSError, what: str = "write") -> OSError | StorageE
     return StorageError(path, why, what) if why else err
 
 
-class LockLostError(RuntimeError):
+class LockLostError(RunFailure):
     """The run lock of this process was taken by another one (exit 1); nothing was written after."""
 
 
@@ -224,7 +223,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path, process_index: int = 0):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / (".lock" if process_index == 0 else f".lock.p{process_index}")
+        self.path = self.run_dir / runfiles.lock(process_index)
         self.on_dir = process_index == 0
         self._fd: int | None = None
         self._dir_fd: int | None = None

@@ -27,15 +27,17 @@ from typing import Any, Callable
 import yaml
 
 from . import config as C
-from . import storage
-from .checkpoint import Checkpointer, Damaged
+from . import runfiles, storage
+from .checkpoint import Checkpointer
 from .ckpt_layout import committed_steps, step_dir
+from .errors import UsageError
+from .step_items import Damaged
 
 HOLD_PREFIX = ".async-rl-hold-"  # the held copy of a step, beside the run directory
 RETRY_S = 60.0  # how long a reader keeps chasing a live run's newest step
 
 
-class StepError(ValueError):
+class StepError(UsageError):
     """A step that cannot be read as asked (exit 2); nothing was changed."""
 
 
@@ -48,7 +50,7 @@ class SavedRun:
 
     @property
     def ckpt_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return self.run_dir / runfiles.CHECKPOINTS
 
     def steps(self) -> list[int]:
         return committed_steps(self.ckpt_dir)
@@ -60,15 +62,15 @@ def open_run(run_dir: str | Path) -> SavedRun:
     run = _run_path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run directory")
-    cfg_path = run / "config.yaml"
+    cfg_path = run / runfiles.CONFIG
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: missing (is {run} a run directory?)")
     try:
         cfg = C.from_dict(yaml.safe_load(cfg_path.read_text()) or {})
     except yaml.YAMLError as e:
         raise C.ConfigError(f"{cfg_path}: not valid YAML ({e})") from None
-    if not committed_steps(run / "checkpoints"):
-        raise FileNotFoundError(f"{run / 'checkpoints'}: no committed checkpoint")
+    if not committed_steps(run / runfiles.CHECKPOINTS):
+        raise FileNotFoundError(f"{run / runfiles.CHECKPOINTS}: no committed checkpoint")
     tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
     return SavedRun(run, cfg, tok, cfg.model.vocab_size or tok.vocab_size)
 

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ConfigError, MeshConfig
+from .errors import RunFailure
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -68,7 +69,7 @@ def agree(values) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
 
-class PeerFailedError(RuntimeError):
+class PeerFailedError(RunFailure):
     """Another process of the job failed; this one stopped with it at the same agreement."""
 
 

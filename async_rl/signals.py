@@ -115,7 +115,17 @@ def exit_if_left_running(code: int) -> None:
         os._exit(code)
 
 
-@atexit.register  # registered at import, before any library's exit hook: runs after all of them
+def register_exit_hook() -> None:
+    """Called by the command line before it imports any library that registers exit hooks, so
+    this one runs after all of them (idempotent)."""
+    if not _hook_registered:
+        atexit.register(_ignore_while_finalizing)
+        _hook_registered.append(True)
+
+
+_hook_registered: list = []
+
+
 def _ignore_while_finalizing() -> None:
     """Python puts its handlers back to the default while it finalizes: a late signal is ignored instead."""
     for sig in _exiting:

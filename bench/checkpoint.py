@@ -281,8 +281,9 @@ def part_ledger(args, scratch: Path) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from async_rl.checkpoint import Checkpointer, LedgerHandler, LedgerSave
+    from async_rl.checkpoint import Checkpointer
     from async_rl.ledger import Ledger
+    from async_rl.step_items import LedgerHandler, LedgerSave
 
     sizes = [int(x) for x in args.ledger_groups.split(",") if x]
     S = args.samples

@@ -95,8 +95,8 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 def read_ledger(run_dir: Path, step: int):
     """The ledger saved in checkpoint `step`, read straight from its files."""
-    from async_rl.checkpoint import LedgerHandler
     from async_rl.ledger import Ledger
+    from async_rl.step_items import LedgerHandler
     return Ledger.from_snapshot(LedgerHandler().restore(Path(run_dir) / "checkpoints" / str(step) / "ledger"))
 
 

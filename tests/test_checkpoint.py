@@ -13,8 +13,9 @@ import pytest
 from helpers import cfg
 
 from async_rl import config as C
-from async_rl.checkpoint import state_digests
-from async_rl.train import build, train
+from async_rl.build import build
+from async_rl.step_items import state_digests
+from async_rl.train import train
 
 OV = ["data.num_records=16", "rollout.prompts_per_step=4", "checkpoint.every_steps=2", "checkpoint.keep=3",
       "train.max_steps=4"]
@@ -133,15 +134,15 @@ def test_ledger_validation_catches_inconsistent_arrays():
 
 def test_two_swapped_words_in_the_ledger_are_refused(tmp_path):
     """The ledger arrays' digest sees a reordering that keeps every byte (a sum of words would not)."""
-    from async_rl.checkpoint import Damaged, LedgerHandler, LedgerSave, _process_prefix, read_ledger
     from async_rl.ledger import Ledger
+    from async_rl.step_items import Damaged, LedgerHandler, LedgerSave, process_prefix_here, read_ledger
     led = Ledger(2)
     for i in range(3):
         g = led.add({"prompt_id": i, "epoch": 0, "prompt": "1=", "answer": "1",
                      "prompt_tokens": np.arange(1, 9, dtype=np.int32)}, target_step=1)
         g.samples[0].tokens, g.samples[0].logprobs, g.samples[0].versions = [3, 4], [-0.1, -0.2], [0, 0]
     LedgerHandler().save(tmp_path, LedgerSave(cut=led.snapshot(), step=1))
-    pre = _process_prefix()
+    pre = process_prefix_here()
     assert read_ledger(tmp_path, pre).header["next_ordinal"] == 3
     header = json.loads((tmp_path / f"{pre}.json").read_text())
     binf = tmp_path / f"{pre}.bin"

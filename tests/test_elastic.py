@@ -15,8 +15,8 @@ import pytest
 from helpers import cfg, checkpoint_steps, finish_job, read_stderr, spawn_job, tree_digest, wait_for_step, wait_until
 
 from async_rl.audit import audit
-from async_rl.checkpoint import read_ledger
 from async_rl.ledger import Ledger
+from async_rl.step_items import read_ledger
 from async_rl.train import train
 
 RECORDS, EPOCHS, PPS = 30, 2, 6

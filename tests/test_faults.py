@@ -1,6 +1,6 @@
 """Faults in a run's files and disk, each with a real training subprocess: what the run does
 is never a silent fresh start, a lost committed step, or a crash loop (docs/design.md, "Run
-directory safety"; the README's table lists one row per test here)."""
+directory safety"; the fault table in docs/resume-and-faults.md lists one row per test here)."""
 import json
 import signal
 

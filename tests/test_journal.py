@@ -20,7 +20,7 @@ PPS = 2  # groups per step in these tests: ordinal o is stamped o // 2 + 1
 
 
 class Session:
-    """One process's journal over a fresh ledger, as train.Session wires it."""
+    """One process's journal over a fresh ledger, as session.Session wires it."""
 
     def __init__(self, tmp, *overrides, step=0, layout=(0, 1), ledger=None, generation=0):
         self.cfg = C.load("configs/tiny.yaml", [f"run.dir={tmp}", "rollout.samples_per_prompt=2",

@@ -12,8 +12,14 @@ import time
 import pytest
 from objstore import TINY, last_step, train_proc, wait_past
 
-from async_rl import lease, remote_io, rundir, storage
+from async_rl import lease, orbax_patch, remote_io, rundir, storage
 from async_rl.ckpt_layout import committed_steps, temporary_path_class
+
+
+@pytest.fixture(autouse=True)
+def _orbax_patched():
+    """What a run installs when it opens its checkpoints (Orbax's arrays routed per scheme)."""
+    orbax_patch.install()
 
 
 def test_primitives_and_history(bucket):

@@ -14,7 +14,7 @@ import time
 import pytest
 from objstore import GCS_ENV, TINY, GcsServer, new_bucket, pointed_at, train_proc, wait_past
 
-from async_rl import cli, remote_io, rundir, storage
+from async_rl import cli, orbax_patch, remote_io, rundir, storage
 from async_rl.ckpt_layout import committed_steps
 
 
@@ -22,6 +22,7 @@ from async_rl.ckpt_layout import committed_steps
 def _tensorstore_env(monkeypatch):
     """remote_io.configure in this process sets tensorstore's variables; put back afterwards,
     so no later training subprocess inherits them as the user's."""
+    orbax_patch.install()  # as a run does when it opens its checkpoints
     for k in ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"):
         monkeypatch.setenv(k, "1")
         monkeypatch.delenv(k)
