@@ -46,7 +46,7 @@ $(OBJ_STAMP): $(STAMP)
 test-extras: $(OBJ_STAMP)
 
 test-objstore: $(OBJ_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests/test_objstore.py tests/test_objstore_faults.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests/store/test_objstore.py tests/store/test_objstore_faults.py
 
 # The full crash matrix: every sampler x lookahead/staleness x partial rollouts.
 soak: $(STAMP)
@@ -88,11 +88,11 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	@touch $@
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m "not soak" tests/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m "not soak" tests/rollout/test_vllm.py
 
 # SIGKILLs of training runs generating with vLLM (each restart starts vLLM: minutes)
 soak-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -s -p no:xdist -m soak tests/test_vllm_crash.py
+	$(VLLM_VENV)/bin/python -m pytest -q -s -p no:xdist -m soak tests/rollout/test_vllm_crash.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
@@ -135,7 +135,7 @@ plan: $(PLAN_STAMP)
 plan-deps: $(TPU_STAMP) $(GPU_STAMP)
 
 plan-ci: plan-deps
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not soak" tests/test_plan.py tests/test_plan_gpu.py -k "tpu or gpu"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not soak" tests/plan/test_plan.py tests/plan/test_plan_gpu.py -k "tpu or gpu"
 	$(BIN)/async-rl plan --config configs/tiny.yaml --topology v5e:2x2 model.vocab_size=16 learner.remat=block \
 		learner.micro_batch_rows=64 learner.logits_chunk=4
 	$(BIN)/async-rl plan --config configs/tiny.yaml --topology h100:8 model.vocab_size=16 model.dtype=bfloat16 \

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .errors import UsageError
+from async_rl.errors import UsageError
 
 
 class ConfigError(UsageError):

@@ -172,7 +172,8 @@ def child(argv: list[str]) -> int:
     trace_path = Path(opts[0])
     import jax
 
-    from async_rl import cli, learner
+    from async_rl.learner import step as learner
+    from async_rl.run import cli
 
     todo: queue.Queue = queue.Queue()
     trace: list[tuple[int, float, float]] = []
@@ -480,9 +481,9 @@ def write_hf_tiny(root: Path, config: str) -> Path:
     from flax import nnx
 
     from async_rl import config as C
-    from async_rl import hf
-    from async_rl.model import Transformer
-    from async_rl.tokenizer import build_tokenizer
+    from async_rl.data.tokenizer import build_tokenizer
+    from async_rl.model import hf
+    from async_rl.model.transformer import Transformer
 
     cfg = C.load(config, ["model.n_heads=2", "model.n_kv_heads=2", "model.learned_positions=0"])
     vocab = build_tokenizer(cfg.tokenizer, synthetic=True).vocab_size

@@ -3,8 +3,8 @@
 Owns: parsing `--backend`, the checkpoint both backends read (the bench's random model
 written as a Hugging Face directory), building each backend's `Rollout` with the same
 slots, chunk size, lengths and sampling settings. Does not own: timing or tables
-(engine.py), the loop that drives them (`async_rl.decoding.generate_all`, over the same
-`Rollout` interface the pump drives), the backends (`async_rl.rollout`, `async_rl.vllm_rollout`).
+(engine.py), the loop that drives them (`async_rl.rollout.decoding.generate_all`, over the same
+`Rollout` interface the pump drives), the backends (`async_rl.rollout.interface`, `async_rl.rollout.vllm_backend`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from async_rl import hf
-from async_rl.rollout import BuiltinRollout
+from async_rl.model import hf
+from async_rl.rollout.interface import BuiltinRollout
 
 KNOWN = ("builtin", "vllm")
 
@@ -28,7 +28,7 @@ def parse(text: str) -> list[str]:
         print(f"--backend: unknown {bad} (known: {', '.join(KNOWN)})", file=sys.stderr)
         sys.exit(2)
     if "vllm" in names:
-        from async_rl import vllm_rollout
+        from async_rl.rollout import vllm_backend as vllm_rollout
 
         if (why := vllm_rollout.available()) is not None:
             print(f"--backend vllm: {' '.join(why.split())} (`make venv-vllm` builds .venv-vllm with it)",
@@ -70,7 +70,7 @@ def make(name: str, st: Setup):
     if name == "builtin":
         r = BuiltinRollout(eng, st.params, 0)
     else:
-        from async_rl.vllm_rollout import VLLMRollout
+        from async_rl.rollout.vllm_backend import VLLMRollout
 
         r = VLLMRollout(hf_path=st.hf_dir, slots=eng.max_concurrent_decodes, steps_per_call=eng.steps_per_call,
                         max_prompt_len=eng.max_prompt_len, max_new_tokens=eng.max_new_tokens,

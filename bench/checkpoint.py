@@ -164,12 +164,12 @@ def part_save(args, scratch: Path) -> None:
     import jax
 
     from async_rl import config as C
-    from async_rl import data as data_mod
-    from async_rl import sharding
-    from async_rl.checkpoint import Checkpointer
-    from async_rl.learner import Learner
-    from async_rl.ledger import Ledger
-    from async_rl.tokenizer import build_tokenizer
+    from async_rl.buffer.ledger import Ledger
+    from async_rl.data import dataset as data_mod
+    from async_rl.data.tokenizer import build_tokenizer
+    from async_rl.learner.step import Learner
+    from async_rl.model import sharding
+    from async_rl.state.checkpoint import Checkpointer
 
     cfg = C.load(args.config, [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}",
                                f"run.dir={scratch / 'run'}"])
@@ -281,9 +281,9 @@ def part_ledger(args, scratch: Path) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from async_rl.checkpoint import Checkpointer
-    from async_rl.ledger import Ledger
-    from async_rl.step_items import LedgerHandler, LedgerSave
+    from async_rl.buffer.ledger import Ledger
+    from async_rl.state.checkpoint import Checkpointer
+    from async_rl.state.items import LedgerHandler, LedgerSave
 
     sizes = [int(x) for x in args.ledger_groups.split(",") if x]
     S = args.samples
@@ -403,9 +403,9 @@ def child_resume(argv: list[str]) -> int:
     out_path, cli_args = Path(argv[0]), argv[sep + 1:]
     import jax
 
-    from async_rl import checkpoint as ck_mod
-    from async_rl import cli  # noqa: F401
-    from async_rl import ledger as ledger_mod
+    from async_rl.buffer import ledger as ledger_mod
+    from async_rl.run import cli  # noqa: F401
+    from async_rl.state import checkpoint as ck_mod
     t_imports = time.time()
     spans: list[tuple[str, float, float]] = []
     jax.monitoring.register_event_time_span_listener(
@@ -541,8 +541,8 @@ def _object_store(args, scratch: Path):
 
 
 def _store_row(label: str, run_dir: str, env: dict, args, steps: int) -> list[str]:
-    from async_rl import storage
-    from async_rl.lineage import read_jsonl
+    from async_rl.state.lineage import read_jsonl
+    from async_rl.store import storage
     ov = [*common.QUIET, "checkpoint.every_steps=1", "eval.every_steps=0", "run.compilation_cache="]
     first = common.run_child(common.train_argv("configs/tiny.yaml", [f"run.dir={run_dir}",
                                                                         f"train.max_steps={steps}", *ov]),

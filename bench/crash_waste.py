@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from async_rl import config as C  # noqa: E402
-from async_rl.ckpt_layout import committed_steps  # noqa: E402
+from async_rl.state.layout import committed_steps  # noqa: E402
 
 FAULT = re.compile(r"fault: SIGKILL at generate:(\d+) generated_tokens=(\d+) in_flight_tokens=(\d+)")
 
@@ -111,7 +111,7 @@ class Job:
             out["resumes"] = [l for _, l in r.lines if l.startswith(("resumed", "journal:"))]
             print(f"  {name}: finished at step {rows[-1]['step']}, {r.wall_s:.1f}s", flush=True)
             break
-        from async_rl.checkpoint import Checkpointer
+        from async_rl.state.checkpoint import Checkpointer
         _, shards = Checkpointer(d / "checkpoints", keep=1, async_save=False).read_ledgers(
             committed_steps(d / "checkpoints")[-1])
         out["trained"] = sum(int(sh.header["trained_tokens"]) for sh in shards)

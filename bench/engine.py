@@ -58,12 +58,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import backends  # noqa: E402  (bench/backends.py, beside this file)
 import common  # noqa: E402
 
-from async_rl import chips
 from async_rl import config as cfg_lib
-from async_rl.decoding import Requests, generate_all
-from async_rl.engine import Engine, sample_token, token_key
-from async_rl.model import Transformer, layout
-from async_rl.rollout import BuiltinRollout
+from async_rl.model.transformer import Transformer, layout
+from async_rl.plan import chips
+from async_rl.rollout.decoding import Requests, generate_all
+from async_rl.rollout.engine import Engine, sample_token, token_key
+from async_rl.rollout.interface import BuiltinRollout
 
 
 def parse_args():

@@ -8,7 +8,7 @@ AdamW update, metrics) on a fixed synthetic batch, blocking on every step's resu
 a compile step and warm-up steps. The batch goes through `build_batch` from per-row
 records, as in training, so shapes, dtypes and shardings are the trainer's.
 
-What the FLOPs count: `async_rl.flops.step_flops`, the count `async-rl plan` uses (model
+What the FLOPs count: `async_rl.model.flops.step_flops`, the count `async-rl plan` uses (model
 FLOPs, not hardware FLOPs; recomputation or wasted work counts for nothing). Per pass over
 the B rows of T = P + N columns:
   matmuls   2 * N_matmul * B*T  +  2 * d * V * B*N
@@ -28,7 +28,7 @@ warm-up (best of several), sharded by rows over the learner mesh so every device
 It is measured before and after the steps and the better is used, so a burst of load
 from other processes during one of the two does not inflate the MFU. --peak spec uses
 the chip's published dense bf16 FLOP/s instead (TPUs and H100/H200/A100/B200; see
-async_rl.chips), the figure MFU is usually quoted against.
+async_rl.plan.chips), the figure MFU is usually quoted against.
 
     python bench/learner.py                   # small preset, fp32, 4 prompts x 4 samples x 96 columns
     python bench/learner.py --prompts 2 --samples 8 --prompt-len 64 --new-tokens 128   # preset row width
@@ -94,9 +94,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (bench/common.py, beside this file)
 
-from async_rl import attention, chips, flops, sharding  # noqa: E402
 from async_rl import config as cfg_lib  # noqa: E402
-from async_rl.learner import Learner, Row, build_batch  # noqa: E402
+from async_rl.learner.step import Learner, Row, build_batch  # noqa: E402
+from async_rl.model import (  # noqa: E402
+    attention,
+    flops,
+    sharding,  # noqa: E402
+)
+from async_rl.plan import chips  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -259,7 +264,7 @@ def main(args):
 
 def plan_line(cfg, vocab: int, mesh, chip, measured_s: float) -> str:
     """The plan's roofline for the step just timed (same config, mesh and chip figures)."""
-    from async_rl import plan as PL
+    from async_rl.plan import compile as PL
     chip = chip or chips.NOMINAL_CPU  # no published figures (a CPU): the code path, not a prediction
     part = PL.learner_part(cfg, vocab, mesh, chip)
     est = PL.Report("", "", chip, mesh.devices.size, dict(mesh.shape), parts={"learner": part}).estimates()

@@ -2,7 +2,7 @@
 
 Owns: writing a random bf16 checkpoint with Qwen2.5-0.5B's shapes (sharded into about 4
 files with an index) to a temporary directory, measuring each loader in a fresh process,
-and the printed table. Does not own: any loading logic (`async_rl.hf`).
+and the printed table. Does not own: any loading logic (`async_rl.model.hf`).
 
 Peak host memory is the process's resident set (RSS, sampled every millisecond by a
 thread) above its level just before loading. On the CPU backend the loaded parameters
@@ -40,7 +40,7 @@ def write_checkpoint(path: Path, shard_bytes: int) -> None:
     import ml_dtypes
     import numpy as np
 
-    from async_rl import hf
+    from async_rl.model import hf
 
     mcfg = hf.model_config_from_hf(_config_dir(path), _base())
     rng = np.random.default_rng(0)
@@ -107,9 +107,9 @@ def measure(path: str, mode: str, param_dtype: str) -> dict:
     import numpy as np
     from flax import nnx
 
-    from async_rl import hf, sharding
     from async_rl.config import ModelConfig
-    from async_rl.model import Transformer
+    from async_rl.model import hf, sharding
+    from async_rl.model.transformer import Transformer
 
     mcfg = hf.model_config_from_hf(path, ModelConfig(param_dtype=param_dtype, dtype=param_dtype))
     _, aparams = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, mcfg.vocab_size, rngs=nnx.Rngs(0))), nnx.Param)
@@ -136,7 +136,7 @@ def _naive(path, aparams, shardings):
     import numpy as np
     import safetensors.numpy as stn
 
-    from async_rl import hf
+    from async_rl.model import hf
 
     tensors = {}
     for f in sorted(Path(path).glob("*.safetensors")):

@@ -23,9 +23,9 @@ import time
 import numpy as np
 
 from async_rl import config as cfg_lib
-from async_rl.ledger import Ledger
-from async_rl.pump import Pump
-from async_rl.sampler import make_sampler
+from async_rl.buffer.ledger import Ledger
+from async_rl.buffer.sampler import make_sampler
+from async_rl.rollout.pump import Pump
 
 
 class Device:

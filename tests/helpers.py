@@ -89,14 +89,14 @@ def kill9(proc: subprocess.Popen) -> bool:
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    from async_rl.ckpt_layout import committed_steps
+    from async_rl.state.layout import committed_steps
     return committed_steps(Path(run_dir) / "checkpoints")
 
 
 def read_ledger(run_dir: Path, step: int):
     """The ledger saved in checkpoint `step`, read straight from its files."""
-    from async_rl.ledger import Ledger
-    from async_rl.step_items import LedgerHandler
+    from async_rl.buffer.ledger import Ledger
+    from async_rl.state.items import LedgerHandler
     return Ledger.from_snapshot(LedgerHandler().restore(Path(run_dir) / "checkpoints" / str(step) / "ledger"))
 
 

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from async_rl.decoding import Completion
-from async_rl.engine import sample_token, token_key
-from async_rl.model import layout
+from async_rl.model.transformer import layout
+from async_rl.rollout.decoding import Completion
+from async_rl.rollout.engine import sample_token, token_key
 
 
 @functools.lru_cache(maxsize=16)

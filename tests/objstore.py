@@ -157,7 +157,7 @@ def environ(env: dict):
 def pointed_at(env: dict):
     """This process's object-store clients pointed at another server for the block (its
     filesystems are made again on the way in and out)."""
-    from async_rl import storage
+    from async_rl.store import storage
     with environ(env):
         storage._fs.cache_clear()
         try:
@@ -184,8 +184,8 @@ def train_proc(run: str, cache, *overrides: str, kill_at: str = "", delay: str =
 
 
 def last_step(run) -> int:
-    from async_rl import storage
-    from async_rl.lineage import read_jsonl
+    from async_rl.state.lineage import read_jsonl
+    from async_rl.store import storage
     return max((r["step"] for r in read_jsonl(storage.run_path(run) / "lineage.jsonl")), default=0)
 
 

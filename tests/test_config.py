@@ -6,7 +6,7 @@ import pytest
 from helpers import MODEL
 
 from async_rl import config as C
-from async_rl.cli import main
+from async_rl.run.cli import main
 
 
 def test_yaml_and_overrides_parse_to_declared_types(tmp_path):

@@ -5,8 +5,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from async_rl import cli
 from async_rl import config as C
+from async_rl.run import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

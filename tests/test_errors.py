@@ -29,8 +29,8 @@ def test_every_error_class_has_a_kind():
 
 
 def test_the_kinds_carry_their_exit_codes():
-    from async_rl.checkpoint import CheckpointError, NonFiniteError
     from async_rl.config import ConfigError
-    from async_rl.remote_io import StorageError
+    from async_rl.state.checkpoint import CheckpointError, NonFiniteError
+    from async_rl.store.remote_io import StorageError
     assert ConfigError("x").exit_code == CheckpointError("x").exit_code == 2
     assert NonFiniteError("x").exit_code == StorageError("p", "why").exit_code == 1

@@ -61,7 +61,7 @@ def test_the_orbax_patch_is_installed_and_removed_explicitly():
 
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-    from async_rl import orbax_patch
+    from async_rl.state import orbax_patch
     orbax_patch.uninstall()
     own, filters = ts_utils.build_kvstore_tspec, list(logging.getLogger("absl").filters)
     orbax_patch.install()

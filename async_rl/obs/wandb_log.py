@@ -1,0 +1,93 @@
+"""Weights & Biases logging: a mirror of metrics.jsonl, one W&B run per run.dir, best effort.
+
+Owns: run.dir/wandb.json (the W&B run id, reused by every later session of the job, and the
+newest step a cleanly closed session handed to W&B) and the W&B run itself (resolved config
+as its config, one history row per learner step). Does not own: which metrics exist (learner,
+train) or metrics.jsonl (metrics), which stays the record of the run.
+
+Each session resumes the run by id (`resume="allow"`) and first sends the rows of
+metrics.jsonl (cut back to the checkpoint) that W&B may lack, then every step live. Which rows
+W&B has comes from W&B's own resume state where there is a server to ask (`run.starting_step`,
+the step after its newest history row); offline, from wandb.json: after a SIGKILL a session
+sends every row after the last clean stop, and `wandb sync` keeps the first row of a step it
+sees twice. Steps trained again after a resume keep the row W&B has first. Optional:
+`pip install async_rl[wandb]`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+from async_rl.config import ConfigError
+from async_rl.store import runfiles
+
+STATE_FILE = runfiles.WANDB_STATE
+
+
+def _write(path: Path, doc: dict) -> None:
+    from async_rl.store.rundir import write_atomic  # rundir imports config; keep this module's import light
+    write_atomic(path, json.dumps(doc))
+
+
+def check_installed() -> None:
+    """Refuses log.wandb=true before the run starts when the extra is missing."""
+    import importlib.util
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("log.wandb=true: the wandb package is not installed (pip install 'async_rl[wandb]')")
+
+
+class WandbLog:
+    """A W&B run for `run_dir`: created on the job's first session, resumed by id on every later one."""
+
+    def __init__(self, run_dir: Path, config: dict, *, project: str, entity: str = "", name: str = "",
+                 tags: tuple[str, ...] = (), log=print):
+        check_installed()
+        import wandb
+        self.path = Path(run_dir) / STATE_FILE
+        state = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        run_id = state.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        # wandb names a session's folder by its start second: a second session of this run in
+        # the same second would reuse the folder and overwrite the earlier session's files
+        while any(Path(run_dir, runfiles.WANDB_DIR).glob(f"*run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
+            time.sleep(0.1)
+        self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).resolve().name,
+                              tags=list(tags), id=run_id, resume="allow", dir=str(run_dir), config=config)
+        self.offline = bool(getattr(self.run, "offline", False))
+        if self.offline:
+            self.logged = int(state.get("logged", -1))
+        else:
+            self.logged = int(getattr(self.run, "starting_step", 0) or 0) - 1
+        self._doc = {"id": run_id, "project": project, "entity": entity}
+        _write(self.path, self._doc)  # until this session closes cleanly, a later one sends everything again
+        self._log = log
+        log(f"wandb: run {run_id} ({'resumed' if state else 'new'}"
+            + (f", its history has steps <= {self.logged}" if self.logged >= 0 else "")
+            + (", offline" if self.offline else "") + ")")
+
+    def catch_up(self, rows: list[dict]) -> None:
+        """Sends the rows of metrics.jsonl (cut at the checkpoint) that W&B may not have."""
+        missing = [r for r in rows if isinstance(r.get("step"), int) and r["step"] > self.logged]
+        for r in missing:
+            self.log(r["step"], {k: v for k, v in r.items() if k not in ("step", "time")})
+        if missing:
+            self._log(f"wandb: sent steps {missing[0]['step']}..{missing[-1]['step']} from metrics.jsonl")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """One history row for `step`, unless W&B has it already."""
+        if step <= self.logged:
+            return
+        row = {k: v for k, v in metrics.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        self.run.log(row, step=step, commit=True)
+        self.logged = step
+
+    def close(self) -> None:
+        """Finishes the run (W&B writes or uploads what it holds) and records the newest step handed to it."""
+        self.run.finish()
+        _write(self.path, {**self._doc, "logged": self.logged})

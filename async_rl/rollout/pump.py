@@ -1,0 +1,447 @@
+"""The pump: a background thread that keeps the engine busy and the ledger moving.
+
+Owns: drawing records from the Grain iterator into the ledger (one lock for both),
+choosing which samples go into free engine slots (continuations of saved half-finished
+samples first, then pending groups, then new draws, as the sampler's gate allows),
+recording every generated token with its behaviour logprob and policy version,
+rewarding finished samples (on a thread of its own, so reward code never holds up the
+engine), swapping in published weights, and pausing for a deterministic checkpoint cut.
+The pump is a `scheduler.Source`: the slot scheduler runs the overlapped chunk loop and
+asks it what to start (`fill`) and hands it what was generated (`record`).
+Does not own: the chunk loop or the slot table (scheduler), which groups train when
+(sampler), the weights (learner publishes them), or saving (train/checkpoint).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from async_rl import faults, signals
+from async_rl.buffer.ledger import Group, Ledger, Sample, State
+from async_rl.data.rewards import as_real
+from async_rl.data.tokenizer import completion_text
+from async_rl.errors import RunFailure
+from async_rl.rollout.interface import BuiltinRollout, Rollout, Start
+from async_rl.rollout.scheduler import Fill, Piece, Scheduler, SlotStats
+
+
+@dataclass
+class PumpStats(SlotStats):  # busy_s and calls: the scheduler's
+    idle_s: float = 0.0  # time with no slot in use and nothing allowed to start
+    tokens: int = 0  # tokens generated (kept in the ledger)
+    swaps: int = 0
+    swap_s: float = 0.0  # time loading published weights into the rollout backend
+
+
+class Pump:
+    def __init__(self, *, ledger: Ledger, sampler, engine: Rollout | object, iterator, tokenizer, reward_fn,
+                 max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
+                 journal=None, prefill_rows: int = 32, reward_timeout_s: float = 60.0):
+        self.ledger, self.sampler, self.engine = ledger, sampler, engine
+        self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
+        self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
+        self.N, self.partial, self.deterministic = max_new_tokens, partial, deterministic
+        self.log = log
+        self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
+        # the backend that generates: a `Rollout`, or the built-in engine behind its adapter
+        self.rollout: Rollout = engine if isinstance(engine, Rollout) else BuiltinRollout(
+            engine, params, version, deterministic=deterministic, prefill_rows=prefill_rows)
+        if deterministic and not isinstance(self.rollout, BuiltinRollout):
+            raise ValueError("run.determinism: only the built-in engine is deterministic")
+        self.published: dict[int, object] = {version: params}
+        # leaves of published versions not yet seen computed (flattened once, at publication:
+        # the pump asks at every wake-up, and flattening the tree cost more than the check)
+        self._in_flight: dict[int, list] = {}
+        self.version = version  # weights the engine runs now
+        self.latest = version  # newest published
+        self.params = params
+        self.stats = PumpStats()
+        # the chunk loop; a slot holds (group, sample index) until that sample's last tokens are recorded
+        self.scheduler = Scheduler(self.rollout, self, self._stops, lock=self.ledger.changed, stats=self.stats)
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
+        self._shared: set[int] = set()  # ordinals whose prompt the rollout may share with later starts
+        self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
+        # wakes the pump the moment published weights are computed (it would otherwise find
+        # out at its next poll, a delay on the critical path of every synchronous step)
+        self._computing: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher = threading.Thread(target=self._watch_computed, name="pump-weights", daemon=True)
+        # finished samples wait here for their rewards, in the order they finished: the pump
+        # goes on to the next chunk meanwhile (a sample is done but not READY until rewarded,
+        # a state a checkpoint cut may hold: a resumed run rewards it, `_reward_backlog`)
+        self._to_reward: queue.SimpleQueue = queue.SimpleQueue()
+        self._rewarder = threading.Thread(target=self._reward_loop, name="pump-rewards", daemon=True)
+        # a reward call cannot be interrupted: a watchdog fails the run when one overruns, and
+        # stop() leaves such a call behind on its daemon thread instead of waiting for it
+        self.reward_timeout_s = reward_timeout_s
+        self._in_reward: tuple[float, Group] | None = None  # (start, group) of the call running now
+        self._watchdog = threading.Thread(target=self._watch_rewards, name="pump-reward-watchdog", daemon=True)
+        self._stopped = threading.Event()
+
+    # ---- control (learner thread) --------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        self._watcher.start()
+        self._rewarder.start()
+        self._watchdog.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._computing.put(None)
+        with self.ledger.changed:
+            self.ledger.changed.notify_all()
+        wait = faults.wait_s("pump_stop", 60.0)
+        self._thread.join(timeout=wait)
+        if self._thread.is_alive():
+            self.log(f"warning: the pump thread did not stop within {wait:g} s (inside a compile or a device call); "
+                     "the process exits without waiting for it")
+            signals.left_running(self._thread.name)
+        self._watcher.join(timeout=60)
+        self._to_reward.put(None)  # after the pump thread: it queues until it exits
+        end = time.monotonic() + 60
+        while self._rewarder.is_alive() and time.monotonic() < end and self.error is None:
+            self._rewarder.join(timeout=0.1)
+            busy = self._in_reward
+            if busy is not None and time.monotonic() - busy[0] > min(5.0, self.reward_timeout_s):
+                self.log(f"stopping: left the reward call on prompt_id={busy[1].prompt_id} running")
+                break
+        self._stopped.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def publish(self, version: int, params) -> None:
+        leaves = jax.tree.leaves(params)  # flattened before taking the lock the pump waits on
+        with self.ledger.changed:
+            self.published[version] = params
+            self._in_flight[version] = leaves
+            self.latest = max(self.latest, version)
+            self.ledger.changed.notify_all()
+        self._computing.put(params)
+
+    def wait_for_weights(self, version: int, timeout_s: float) -> None:
+        """Blocks until the backend runs `version` (published) or newer: another view of the same
+        engine then scores exactly those weights. Raises the pump's error, or after `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        with self.ledger.changed:
+            while self.version < version:
+                if self.error is not None or not self.alive:
+                    raise RuntimeError(f"the rollout stopped before loading the weights of step {version}"
+                                       + (f": {self.error}" if self.error is not None else ""))
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the rollout did not load the weights of step {version} in {timeout_s:.0f} s")
+                self.ledger.changed.wait(0.05)
+
+    def _watch_computed(self) -> None:
+        while (params := self._computing.get()) is not None:
+            try:
+                jax.block_until_ready(params)
+            except Exception:  # a failed step surfaces in the learner; this only wakes the pump
+                pass
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
+
+    def pause_for_cut(self, version: int, should_stop=lambda: False) -> None:
+        """Deterministic mode: before saving after `version` steps, finish all work that needs
+        older weights (a restored run has only `version`) and leave no half-finished sample."""
+        with self.ledger.changed:
+            self._cut_below = version
+            self.ledger.changed.notify_all()
+            while not self._cut_ready(version) and self.error is None and not should_stop():
+                self.ledger.changed.wait(0.05)
+
+    def resume(self) -> None:
+        with self.ledger.changed:
+            self._cut_below = None
+            self.ledger.changed.notify_all()
+
+    def _cut_ready(self, version: int) -> bool:
+        if any(self.slots):
+            return False
+        req = self.sampler.required_version
+        if any(req(g) < version and g.state != State.READY for g in self.ledger.groups.values()):
+            return False
+        return self.ledger.exhausted or self._required_for_next_draw() >= version
+
+    def iterator_state(self) -> dict:
+        return self.iterator.get_state()  # caller holds the ledger lock (the cut)
+
+    # ---- the loop (pump thread) ------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The slot scheduler's loop (`scheduler.Scheduler.run`) with the pump as its source,
+        one chunk of `engine.steps_per_call` tokens per turn, until `stop`. Swaps and cuts
+        need every slot free, and the scheduler frees a slot only when its sample's last
+        tokens are recorded, so no chunk is half-recorded when weights change or a cut is taken."""
+        try:
+            self._reward_backlog()
+            self.scheduler.run(self._stop.is_set)
+        except BaseException as e:  # surfaced to the learner, which stops the run
+            self.error = e
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
+
+    @property
+    def slots(self) -> list:
+        """The scheduler's slot table: (group, sample index) or None per slot."""
+        return self.scheduler.slots
+
+    # ---- the scheduler's source (pump thread; fill and record under the lock) -------------
+
+    def fill(self, free: list[int], busy: bool) -> Fill:
+        """Between a collect and the next step: swap in published weights, take back journal
+        records, then pick samples for the `free` slots. With nothing to start and no slot in
+        use, waits a moment for a change (the scheduler asks again)."""
+        self._maybe_swap()
+        if self.journal is not None and self.journal.waits:
+            self.journal.apply(self.latest)
+        picks = self._pick(free)
+        if not picks and not busy:
+            if self.journal is not None and self.journal.waits:
+                self.journal.idle(self.latest, self.sampler.pps)
+            t0 = time.perf_counter()
+            self.ledger.changed.wait(0.05)
+            self.stats.idle_s += time.perf_counter() - t0
+            return Fill()
+        return self._starts(picks)
+
+    def record(self, pieces: list[Piece], version: int) -> None:
+        """Appends a chunk's tokens, logprobs and versions to their samples (the lists were
+        built outside the lock) and queues the samples that ended for their rewards."""
+        finished: list[tuple[Group, Sample]] = []
+        for p in pieces:
+            g, si = p.occupant
+            s = g.samples[si]
+            s.tokens += p.tokens
+            s.logprobs += p.logprobs
+            s.versions += p.versions
+            self.stats.tokens += len(p.tokens)
+            if p.ended:
+                s.done, s.in_engine = True, False
+                finished.append((g, s))
+        self.ledger.changed.notify_all()
+        if finished:
+            self._to_reward.put((finished, version))
+
+    def collected(self, calls: int) -> None:
+        """Fault points (`faults`): a slowed chunk; a SIGKILL after the n-th, before it is recorded."""
+        faults.delay("generate", self.rollout.steps_per_call)
+        faults.point("generate", calls, self._progress)
+
+    def _maybe_swap(self) -> None:
+        if self.deterministic:
+            if any(self.slots):
+                return
+            need = self._next_required_version()
+            if need is None or need == self.version or need not in self.published:
+                return
+            if self._cut_below is not None and need >= self._cut_below:
+                return
+            self._swap(need)
+            self._drop(lambda v: v < need)
+        else:
+            ready = self._newest_ready()
+            if ready > self.version and (self.partial or not any(self.slots)):
+                self._swap(ready)
+            # a version goes once a newer one is computed, not when one is published: dropping
+            # it at publication would leave the engine waiting for weights still in flight
+            self._drop(lambda v: v < ready and v != self.version)
+
+    def _drop(self, which) -> None:
+        for v in [v for v in self.published if which(v)]:
+            del self.published[v]
+            self._in_flight.pop(v, None)
+
+    def _newest_ready(self) -> int:
+        """The newest published version whose weights are computed: swapping to one still in
+        flight would stall the engine on the learner's step instead of overlapping with it."""
+        for v in sorted(self.published, reverse=True):
+            if v <= self.version:
+                return self.version
+            leaves = self._in_flight.get(v)
+            if leaves is None or all(x.is_ready() for x in leaves):
+                self._in_flight.pop(v, None)
+                return v
+        return self.version
+
+    def _swap(self, version: int) -> None:
+        self.params, self.version = self.published[version], version
+        t0 = time.perf_counter()
+        self.rollout.swap(self.params, version)
+        self.stats.swap_s += time.perf_counter() - t0
+        self.stats.swaps += 1
+
+    def _gate_version(self) -> int:
+        # deterministic: generation waits for exact versions anyway; otherwise the gates count
+        # from the weights the engine runs, so no group is generated staler than its bound
+        return self.latest if self.deterministic else self.version
+
+    def _required_for_next_draw(self) -> int:
+        return self.sampler.required_version_for_stamp(self.sampler.stamp(self.ledger.next_ordinal))
+
+    def _next_required_version(self) -> int | None:
+        """Deterministic mode: the weights the next unstarted sample in stream order needs."""
+        for g in self.ledger.groups.values():
+            if any(not s.in_engine and not s.done for s in g.samples):
+                return self.sampler.required_version(g)
+        if self.sampler.may_draw(self.latest, self.latest):
+            return self._required_for_next_draw()
+        return None
+
+    def _startable(self, g: Group) -> bool:
+        if not self.sampler.eligible(g, self._gate_version(), self.latest):
+            return False
+        if not self.deterministic:
+            return True
+        req = self.sampler.required_version(g)
+        return req == self.version and (self._cut_below is None or req < self._cut_below)
+
+    def _may_draw(self) -> bool:
+        if not self.sampler.may_draw(self._gate_version(), self.latest):
+            return False
+        return not self.deterministic or self._cut_below is None or self._required_for_next_draw() < self._cut_below
+
+    def _pick(self, free: list[int]) -> list[tuple[int, Group, int]]:
+        """(slot, group, sample) assignments for free slots; marks them in_engine (under the lock)."""
+        if not free:
+            return []
+        if not self.partial and not self.deterministic and self._newest_ready() > self.version:
+            return []  # drain the slots first, then swap (publication waits for them)
+        picks: list[tuple[int, Group, int]] = []
+
+        waits = self.journal.waits if self.journal is not None else {}
+
+        def take(g: Group) -> None:
+            for si, s in enumerate(g.samples):
+                if len(picks) == len(free):
+                    return
+                if not s.in_engine and not s.done and not (waits and self.journal.waiting(g.ordinal, si)):
+                    s.in_engine = True
+                    picks.append((free[len(picks)], g, si))
+
+        # continuations of saved half-finished samples first, then in stream order
+        groups = sorted(self.ledger.groups.values(), key=lambda g: (not any(s.tokens and not s.done
+                                                                            for s in g.samples), g.ordinal))
+        for g in groups:
+            if len(picks) == len(free):
+                break
+            if self._startable(g):
+                take(g)
+        while len(picks) < len(free) and self._may_draw():
+            g = self._draw()
+            if g is None:
+                break
+            if self._startable(g):
+                take(g)
+            else:
+                break
+        return picks
+
+    def _draw(self) -> Group | None:
+        try:
+            rec = next(self.iterator)
+        except StopIteration:
+            self.ledger.mark_exhausted()
+            return None
+        g = self.ledger.add(rec, self.sampler.stamp(self.ledger.next_ordinal))
+        if self.journal is not None:  # a killed run may have generated this group already
+            self.journal.claim(g, self.latest)
+        return g
+
+    def _starts(self, picks) -> Fill:
+        """The picked samples' starts: continuations from prompt + saved tokens with the
+        remaining budget (none is generated twice); and the groups whose prompt no later
+        start shares, every sample started or done."""
+        starts, occupants = [], []
+        for slot, g, si in picks:
+            toks = tuple(g.samples[si].tokens)
+            starts.append(Start(slot, g.ordinal, si, g.prompt_tokens, toks, self.N - len(toks)))
+            occupants.append((g, si))
+            if not toks:
+                self._shared.add(g.ordinal)
+        done = [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._shared)
+                if g is None or all(s.started or s.done for s in g.samples)]
+        self._shared.difference_update(done)
+        return Fill(starts, occupants, done)
+
+    def _reward_loop(self) -> None:
+        """The reward thread: rewards each queued batch of finished samples, in order."""
+        try:
+            while (item := self._to_reward.get()) is not None:
+                self._reward(*item)
+        except BaseException as e:  # surfaced to the learner, which stops the run
+            self.error = self.error or e
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
+
+    def _watch_rewards(self) -> None:
+        """Fails the run (self.error) when one reward call runs past reward_timeout_s."""
+        while not self._stopped.wait(0.25):
+            busy = self._in_reward
+            if busy is None or self.error is not None or time.monotonic() - busy[0] <= self.reward_timeout_s:
+                continue
+            g = busy[1]
+            self.error = RewardError(f"reward function did not return within rollout.reward_timeout_s="
+                                     f"{self.reward_timeout_s:g} s on prompt_id={g.prompt_id} (ordinal {g.ordinal}, "
+                                     f"prompt {g.prompt!r})")
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
+
+    def _reward(self, finished: list[tuple[Group, Sample]], version: int | None = None) -> None:
+        """Rewards outside the lock (user reward code may be slow), then marks READY groups."""
+        scores = []
+        for g, s in finished:
+            text = completion_text(self.tok, s.tokens)
+            self._in_reward = (time.monotonic(), g)
+            try:
+                faults.fail("reward")
+                raw = self.reward_fn(text, g.answer)
+            except Exception as e:
+                raise RewardError(f"reward function failed on prompt_id={g.prompt_id} "
+                                  f"(ordinal {g.ordinal}): {type(e).__name__}: {e}") from e
+            finally:
+                self._in_reward = None
+            r = as_real(raw)
+            if r is None or not np.isfinite(r):
+                raise RewardError(f"reward function returned {raw!r} ({type(raw).__name__}) for prompt_id={g.prompt_id} "
+                                  f"(ordinal {g.ordinal}); a reward must be a finite real number")
+            scores.append(r)
+        journal, t0 = self.journal, time.perf_counter()
+        records = [journal.encode(g, s, r) for (g, s), r in zip(finished, scores)] if journal is not None else ()
+        t_encode = time.perf_counter() - t0
+        with self.ledger.changed:
+            for (g, s), r in zip(finished, scores):
+                s.reward = r
+                if g.state == State.READY:
+                    self.sampler.on_ready(g, self.version if version is None else version)
+            if records:
+                t0 = time.perf_counter()
+                journal.append(records)  # with the rewards: a checkpoint cut sees both or neither
+                journal.write_s += t_encode + time.perf_counter() - t0
+            self.ledger.changed.notify_all()
+
+    def _progress(self) -> str:
+        """For a fault point's message: tokens generated so far, and those in unfinished samples."""
+        live = sum(len(g.samples[si].tokens) for g, si in filter(None, self.slots))
+        return f"generated_tokens={self.stats.tokens} in_flight_tokens={live}"
+
+    def _reward_backlog(self) -> None:
+        """Samples a killed run finished but did not reward yet (restored done, reward missing)."""
+        with self.ledger.lock:
+            todo = [(g, s) for g in self.ledger.groups.values() for s in g.samples if s.done and s.reward is None]
+        if todo:
+            self._reward(todo)
+
+
+class RewardError(RunFailure):
+    pass
+

@@ -1,0 +1,172 @@
+"""The slot scheduler: the one overlapped continuous-batching loop over a `rollout.Rollout`.
+
+Owns: the slot table (what each slot holds until its sample's last tokens are recorded, and
+how many tokens that sample may still have), the loop (fill free slots from a `Source`,
+dispatch chunk k+1, record chunk k while the backend computes it, find where samples end,
+free and refill slots, stop) and `chunk_ends`. Does not own: what starts in which slot or
+what a recorded token means (the source: `pump.Pump` with its ledger, `decoding.Requests`
+with its completions), the backend's slots, prefills or weights (the rollout).
+
+Ordering rules (docs/design.md, "The pump"): `Source.fill` runs between a `collect` and the
+next `step`, the one place where a source may swap weights; a slot whose sample ended in
+the fetched chunk is offered to `fill` before that chunk is recorded, so no chunk is spent
+on it; a slot is freed only when its sample's last tokens are recorded, under the source's
+lock together with `Source.record`; on stop the fetched chunk is recorded first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+from async_rl.rollout.interface import Chunk, Rollout, Start
+
+
+def chunk_ends(tokens_KxS: np.ndarray, room_S: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each slot's sample ends within one chunk of K tokens: (take_S, ended_S).
+
+    `room_S` is how many more tokens each sample may have (its cap minus what it holds);
+    it ends at a token of `stops` (kept) or when the room is used up. take_S counts the tokens
+    that belong to it (K when it runs on); what follows an end is garbage."""
+    k = tokens_KxS.shape[0]
+    end_KxS = np.arange(1, k + 1)[:, None] >= np.asarray(room_S)[None, :]
+    if stops.size:
+        end_KxS |= np.isin(tokens_KxS, stops)
+    ended_S = end_KxS.any(axis=0)
+    return np.where(ended_S, end_KxS.argmax(axis=0) + 1, k), ended_S
+
+
+@dataclass(frozen=True)
+class Fill:
+    """What a source starts in free slots at one turn of the loop."""
+    starts: Sequence[Start] = ()  # samples for free slots, at most one per slot
+    occupants: Sequence[Any] = ()  # the source's handle of each start, held by its slot until the sample ends
+    forget: Sequence[int] = ()  # ordinals passed to `Rollout.forget` once these starts are in
+
+
+class Piece(NamedTuple):  # a tuple: one is built per live slot per chunk
+    """One slot's share of a recorded chunk."""
+    slot: int  # the slot the tokens came from
+    occupant: Any  # the source's handle of the sample (from `Fill.occupants`)
+    tokens: list[int]  # the sample's new tokens, up to and including its end
+    logprobs: list[float]  # behaviour logprob of each token
+    versions: list[int]  # weights version that made each token
+    ended: bool  # these are the sample's last tokens (a stop token, kept, or its budget used up)
+
+
+class Source(Protocol):
+    """What the scheduler asks of its user; every call comes from the scheduler's thread."""
+
+    def fill(self, free: list[int], busy: bool) -> Fill:
+        """Under the lock, between a `collect` and the next `step`: samples for some of the
+        `free` slots. `busy`: some slot still holds a sample (or its unrecorded end)."""
+
+    def record(self, pieces: list[Piece], version: int) -> None:
+        """Under the lock: a chunk's tokens for every sample that was live in it (`version`:
+        the weights in use when it was collected). The scheduler frees ended slots after it."""
+
+    def collected(self, calls: int) -> None:
+        """A chunk is on the host, its ends found, not yet recorded (`calls`: chunks so far)."""
+
+
+@dataclass
+class SlotStats:
+    busy_s: float = 0.0  # seconds inside rollout calls (start, forget, step, collect)
+    calls: int = 0  # chunks collected
+
+
+@dataclass
+class _Fetched:
+    chunk: Chunk
+    live: list  # occupant per slot at dispatch (None: not live)
+    take_S: np.ndarray  # tokens of the chunk that belong to each live sample
+    ended_S: np.ndarray  # the sample ended in this chunk
+
+
+class Scheduler:
+    """Runs a `Source` over a `Rollout`'s slots. `lock` (a context manager, e.g. the source's
+    condition) is held around `fill` and around `record` with the freeing of ended slots, so
+    another thread that takes it sees a sample's end and its free slot together."""
+
+    def __init__(self, rollout: Rollout, source: Source, stops, *, lock=None, stats: SlotStats | None = None):
+        self.rollout, self.source = rollout, source
+        self.stops = np.fromiter(stops, np.int64)  # token ids that end a sample (kept as its last)
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.stats = stats if stats is not None else SlotStats()
+        self.slots: list[Any] = [None] * rollout.capacity  # occupant per slot, None: free
+        self._room_S = np.zeros(rollout.capacity, np.int64)  # tokens each slot's sample may still have
+        self._ended: dict[int, Any] = {}  # slot -> its occupant that ended in the fetched, unrecorded chunk
+
+    @property
+    def idle(self) -> bool:
+        """No slot holds a sample (so no chunk is fetched and unrecorded either)."""
+        return all(occ is None for occ in self.slots)
+
+    def run(self, stop: Callable[[], bool]) -> None:
+        """Turns of fill -> start -> dispatch chunk k+1 -> record chunk k -> fetch chunk k+1
+        until `stop()` (asked at the top of each turn). After a fetch only the ends are found
+        (vectorised) before the next turn refills the freed slots and dispatches; recording
+        runs while the backend computes. An exception leaves the fetched chunk unrecorded."""
+        fetched: _Fetched | None = None
+        while not stop():
+            with self.lock:
+                fill = self.source.fill(self._free(), not self.idle)
+                for start, occ in zip(fill.starts, fill.occupants, strict=True):
+                    self.slots[start.slot], self._room_S[start.slot] = occ, start.budget
+            if not fill.starts and self.idle:
+                continue
+            t0 = time.perf_counter()
+            if fill.starts:
+                self.rollout.start(fill.starts)
+            if fill.forget:
+                self.rollout.forget(fill.forget)
+            live = [None if occ is None or self._ended.get(slot) is occ else occ for slot, occ in enumerate(self.slots)]
+            mask = [occ is not None for occ in live]
+            pending = self.rollout.step(mask) if any(mask) else None
+            self.stats.busy_s += time.perf_counter() - t0
+            if fetched is not None:
+                self._record(fetched)  # meanwhile the backend computes `pending`
+                fetched = None
+            if pending is not None:
+                t0 = time.perf_counter()
+                fetched = self._fetch(pending, live, mask)
+                self.stats.calls += 1
+                self.source.collected(self.stats.calls)
+                self.stats.busy_s += time.perf_counter() - t0
+        if fetched is not None:
+            self._record(fetched)
+
+    def _free(self) -> list[int]:
+        # a slot whose sample ended in the fetched chunk is refilled before that chunk is recorded
+        return [slot for slot, occ in enumerate(self.slots) if occ is None or self._ended.get(slot) is occ]
+
+    def _fetch(self, pending, live: list, mask: list[bool]) -> _Fetched:
+        """Waits for a chunk and finds where each live sample ends in it (nothing recorded)."""
+        chunk = self.rollout.collect(pending)
+        mask_S = np.asarray(mask)
+        take_S, ended_S = chunk_ends(chunk.tokens_KxS, np.where(mask_S, self._room_S, 0), self.stops)
+        self._room_S -= np.where(mask_S, take_S, 0)
+        self._ended = {slot: live[slot] for slot in np.flatnonzero(ended_S & mask_S).tolist()}
+        return _Fetched(chunk, live, take_S, ended_S)
+
+    def _record(self, f: _Fetched) -> None:
+        """Hands a fetched chunk to the source: the lists are built outside the lock, which is
+        held only for `Source.record` and freeing the slots whose samples ended."""
+        c = f.chunk
+        toks_SxK, lps_SxK = c.tokens_KxS.T.tolist(), c.logprobs_KxS.T.tolist()  # one conversion, not one per slot
+        v = c.version
+        vers_SxK = [None] * len(f.live) if c.versions_KxS is None else c.versions_KxS.T.tolist()
+        pieces = [Piece(slot, occ, t[:n], lp[:n], [v] * n if vs is None else vs[:n], e)
+                  for slot, (occ, t, lp, vs, n, e) in enumerate(zip(f.live, toks_SxK, lps_SxK, vers_SxK,
+                                                                    f.take_S.tolist(), f.ended_S.tolist()))
+                  if occ is not None]
+        with self.lock:
+            self.source.record(pieces, c.version)
+            for p in pieces:
+                if p.ended and self.slots[p.slot] is p.occupant:  # else refilled already, before this record
+                    self.slots[p.slot] = None
+            self._ended = {}

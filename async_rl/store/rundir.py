@@ -1,0 +1,357 @@
+"""The run directory as a whole: is it usable, who holds it, what history it has.
+
+Owns: checking `run.dir` before anything is written (a file, a path under a file, no write
+permission: one-line errors, exit 2), the per-process run lock (a second `train` on a
+directory in use exits 2 naming the holder; the kernel drops a lock whose process died, so
+a SIGKILLed run never blocks its restart; on an object store the lock is a lease, see
+`lease`), asking an object store whether it can be used at all (`probe_store`: no
+credentials, no answer, no bucket), recognising history (lineage, metrics, damaged
+steps, checkpoints) so that a directory with history but no restorable step is never
+started over silently, moving that history aside when the user asks for a restart
+(`run.resume=restart`), and writing the small manifests (`config.yaml`, `data.json`,
+`final.json`) atomically. Does not own: checkpoints (checkpoint), the logs' contents
+(lineage, metrics), or deciding to resume (train).
+
+See docs/design.md, "Run directory safety".
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from async_rl.config import ConfigError
+from async_rl.errors import RunFailure
+from async_rl.store import remote_io, runfiles, storage
+from async_rl.store.remote_io import StorageError
+
+# Files and folders that hold a run's history; a fresh start never truncates them.
+HISTORY_GLOBS, HISTORY_DIRS, MANIFESTS = runfiles.HISTORY_GLOBS, runfiles.HISTORY_DIRS, runfiles.MANIFESTS
+# Written once a checkpoint of the run is seen committed: from then on its logs are history
+# that a checkpoint covered, and a directory that has lost every step is never started over.
+MARKER = runfiles.MARKER
+# Written before a restart moves anything, removed after: names the folder it moves into,
+# so that a restart killed half-way is recognised and finished, never resumed from.
+RESTARTING = ".restarting"
+
+
+class RunDirError(ConfigError):
+    """run.dir cannot be used as asked (exit 2); nothing in it was changed."""
+
+
+def check_usable(path: Path) -> None:
+    """Raises RunDirError unless `path` is (or can be created as) a writable directory."""
+    if storage.is_remote(path):
+        return _check_bucket(path)
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise RunDirError(f"run.dir={str(path)!r}: is a file, not a directory")
+    probe = p
+    while not probe.exists():
+        parent = probe.parent
+        if parent == probe:
+            break
+        probe = parent
+    if probe.exists() and not probe.is_dir():
+        raise RunDirError(f"run.dir={str(path)!r}: cannot be created, {str(probe)!r} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == p else f"cannot be created, {str(probe)!r} is not writable"
+        raise RunDirError(f"run.dir={str(path)!r}: {what}")
+
+
+# A start-up probe of the store gets this long: nothing is at stake yet, so a store that does
+# not answer is named at once rather than after run.storage_timeout_s, seconds.
+PROBE_S = 10.0
+
+
+def probe_store(path) -> None:
+    """An object-store path: the store answers (within PROBE_S) and its bucket exists;
+    RunDirError naming the cause otherwise (no credentials, no answer, no such bucket)."""
+    fs, where = storage.filesystem(path), str(path)
+    scheme, rest = where.split("://", 1)
+    bucket = rest.split("/", 1)[0]
+    try:
+        with remote_io.limit(PROBE_S):
+            fs.info(f"{scheme}://{bucket}")
+    except FileNotFoundError:
+        raise RunDirError(f"{where}: bucket {bucket!r} does not exist") from None
+    except StorageError as e:
+        raise RunDirError(f"{where}: the store cannot be used ({e.why}); nothing was changed") from None
+
+
+def _check_bucket(path) -> None:
+    """An object-store run.dir: the store answers, its bucket exists, it is not an object
+    itself, and this process may write there (a probe object is written and deleted)."""
+    where = str(path)
+    try:
+        probe_store(path)
+    except RunDirError as e:
+        raise RunDirError(f"run.dir={e}") from None
+    try:
+        with remote_io.limit(PROBE_S):
+            if storage.filesystem(path).isfile(where):
+                raise RunDirError(f"run.dir={where!r}: is an object, not a prefix")
+            probe = storage.run_path(where) / f".probe-{socket.gethostname()}-{os.getpid()}"
+            storage.write_atomic(probe, b"")
+            storage.remove(probe)
+    except RunDirError:
+        raise
+    except StorageError as e:
+        raise RunDirError(f"run.dir={where}: the store cannot be used ({e.why}); nothing was changed") from None
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"run.dir={where!r}: cannot be written ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
+            from None
+
+
+def _nonempty(p) -> int:
+    """How many entries folder `p` has."""
+    return len(storage.listdir(p)) if storage.is_dir(p) else 0
+
+
+def history(path: Path) -> dict[str, int]:
+    """What a run directory already holds: {kind: count} for non-empty history items."""
+    p, out = path, {}
+    if not storage.is_dir(p):
+        return out
+    names = storage.listdir(p)
+    for pattern in HISTORY_GLOBS:
+        n = sum(1 for f in storage.glob(p, pattern) if storage.is_log(f))
+        if n:
+            out[pattern.split("*")[0]] = n
+    for name in HISTORY_DIRS:
+        n = _nonempty(p / name) if name in names else 0
+        if n:
+            out[name] = n
+    return out
+
+
+def durable(path: Path) -> bool:
+    """Did a checkpoint ever cover this run's logs? (marker written, or damaged steps set aside)"""
+    return storage.is_file(path / MARKER) or _nonempty(path / runfiles.DAMAGED) > 0
+
+
+def mark_checkpointed(path: Path, step: int) -> None:
+    p = path / MARKER
+    if not storage.is_file(p):
+        write_atomic(p, json.dumps({"first_committed_step": step, "time": time.time()}))
+
+
+def describe(hist: dict[str, int]) -> str:
+    return ", ".join(f"{k} ({v})" for k, v in sorted(hist.items()))
+
+
+def interrupted_restart(path: Path) -> Path | None:
+    """The folder an interrupted run.resume=restart was moving the history into, or None."""
+    try:
+        dest = json.loads(storage.read_text(path / RESTARTING))["dest"]
+        return storage.run_path(dest) if storage.is_remote(path) else Path(dest)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return path / runfiles.PREVIOUS  # torn: still a restart that did not finish
+
+
+def archive_history(path: Path) -> Path:
+    """Moves the run's history and manifests into `previous/<time>/` (run.resume=restart);
+    an interrupted restart is finished into the folder it had begun."""
+    from async_rl import faults
+
+    p = path
+    dest = interrupted_restart(p)
+    if dest is None or not storage.is_dir(dest) or str(dest.parent) != str(p / runfiles.PREVIOUS):
+        dest = p / runfiles.PREVIOUS / time.strftime("%Y%m%d-%H%M%S")
+        n = 0
+        while storage.exists(dest):
+            n += 1
+            dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        storage.mkdirs(dest)
+        write_atomic(p / RESTARTING, json.dumps({"dest": str(dest), "time": time.time()}))
+    names = [f.name for g in HISTORY_GLOBS for f in storage.glob(p, g)] + list(HISTORY_DIRS) + list(MANIFESTS)
+    moved = 0
+    for name in names:
+        if storage.exists(p / name):
+            storage.move(p / name, dest / name)
+            moved += 1
+            faults.point("restart", moved)
+    storage.remove(p / RESTARTING)
+    return dest
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never a torn write."""
+    try:
+        storage.write_atomic(path, text)
+    except OSError as e:
+        raise storage_error(path, e) from None
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    if not storage.is_file(path) or storage.read_text(path) != text:
+        write_atomic(path, text)
+
+
+DISK_HINT = "free space (or fix the disk)"
+
+
+def storage_error(path, err: OSError, what: str = "write") -> OSError | StorageError:
+    """`err` as a StorageError where it is the disk's fault (ENOSPC, EIO, EDQUOT, EROFS, EFBIG)
+    or the store's (no answer, no credentials: `remote_io.cause`)."""
+    if err.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+        return StorageError(path, err.strerror or str(err), what, hint=DISK_HINT)
+    why = remote_io.cause(err)
+    return StorageError(path, why, what) if why else err
+
+
+class LockLostError(RunFailure):
+    """The run lock of this process was taken by another one (exit 1); nothing was written after."""
+
+
+class RunLock:
+    """An exclusive flock on the run directory itself (process 0; a directory in use cannot be
+    unlinked, so deleting `.lock` does not free it) and on `run.dir/.lock` (process i > 0 of a
+    job: `.lock.p<i>`, the file only: the processes of a job share the directory).
+
+    The file holds the holder's pid, host and start time; a holder whose file was deleted or
+    replaced writes it again at its next step boundary (`check`), and stops (LockLostError)
+    where another process took the new file. flock belongs to the open file: the kernel
+    releases it when the process exits, however it exits."""
+
+    def __init__(self, run_dir: Path, process_index: int = 0):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / runfiles.lock(process_index)
+        self.on_dir = process_index == 0
+        self._fd: int | None = None
+        self._dir_fd: int | None = None
+        self._info = b""
+
+    def holder(self) -> str | None:
+        """Who holds the lock now (read-only probe), or None when it is free."""
+        targets = ([self.run_dir] if self.on_dir and self.run_dir.is_dir() else []) + \
+            ([self.path] if self.path.is_file() else [])
+        for target in targets:
+            try:
+                fd = os.open(target, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return self._describe_holder()
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+        return None
+
+    def _describe_holder(self) -> str:
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except FileNotFoundError:
+            return f"another process (its {self.path.name} was deleted; it writes it again at its next step)"
+        except (OSError, ValueError):
+            info = {}
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"])) if "started" in info else "?"
+        return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (since {since})"
+
+    def _refusal(self, run_dir: Path) -> RunDirError:
+        return RunDirError(f"run.dir={str(run_dir)!r} is in use by {self._describe_holder()}; wait for that run "
+                           "to end or stop it (nothing was changed)")
+
+    def ensure_free(self, run_dir: Path) -> None:
+        if self.holder():
+            raise self._refusal(run_dir)
+
+    def acquire(self, run_dir: Path) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.on_dir:
+            dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(dfd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise self._refusal(run_dir) from None
+                # a filesystem that cannot lock a directory (NFS emulates flock with write
+                # locks): the file lock and the per-step check below remain
+            else:
+                self._dir_fd = dfd
+        try:
+            self._take_file(run_dir)
+        except BaseException:
+            self.release()
+            raise
+
+    def _take_file(self, run_dir: Path) -> None:
+        existed = self.path.exists()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise storage_error(self.path, e, "taking the run lock") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._refusal(run_dir) from None
+            raise
+        self._info = self._info or json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                               "started": time.time()}).encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, self._info)
+        except OSError as e:
+            os.close(fd)
+            if not existed:
+                self.path.unlink(missing_ok=True)  # no empty lock file left behind
+            raise storage_error(self.path, e, "taking the run lock") from None
+        self._fd = fd
+
+    def check(self, run_dir: Path, log=None) -> None:
+        """At a step boundary: is `.lock` still the file this process holds? If it was deleted or
+        replaced, take the new one (LockLostError where another process holds it)."""
+        if self._fd is None:
+            return
+        try:
+            st = os.stat(self.path)
+            mine = os.fstat(self._fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+        tries = 3 if self.on_dir else 1  # a holder() probe may hold the new file for an instant
+        for attempt in range(tries):
+            try:
+                self._take_file(run_dir)
+                break
+            except RunDirError:
+                if attempt + 1 == tries:
+                    raise LockLostError(f"{self.path}: the run lock file was replaced and is held by "
+                                        f"{self._describe_holder()}; stopped before writing anything more (the "
+                                        "last committed checkpoint step is intact)") from None
+                time.sleep(0.05)
+        if log is not None:
+            log(f"warning: {self.path} was deleted or replaced while the run held it; written again")
+
+    def release(self) -> None:
+        for name in ("_fd", "_dir_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)  # closing drops the flock
+                setattr(self, name, None)
+
+
+def run_lock(run_dir, process_index: int = 0, lease_s: float = 60.0):
+    """The run lock for `run_dir`: an flock where it is a local (or shared POSIX) directory,
+    a lease object on an object store."""
+    if storage.is_remote(run_dir):
+        from async_rl.store.lease import LeaseLock
+        return LeaseLock(run_dir, process_index, lease_s)
+    return RunLock(run_dir, process_index)

@@ -1,0 +1,372 @@
+"""Where run.dir lives: a local (or shared POSIX) directory, or a `gs://` / `s3://` prefix.
+
+Owns: telling the two apart, the path object a module joins names onto (`pathlib.Path` for a
+local run directory, `etils.epath.Path` for an object store, which Orbax and Grain take as
+they are), and the primitives every module uses on run.dir: reading, listing, atomic
+replace, exclusive create, deletion; and, on object stores, the write guard every one of
+those writes calls first (the run's lease check). Local paths keep the POSIX primitives
+(write to a temporary file and rename; O_EXCL); object stores go through fsspec (gcsfs, s3fs;
+the optional extras `async_rl[gcs]`, `async_rl[s3]`), where a single PUT is already atomic
+and a create is conditional (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`); and the
+tensorstore kvstore that Orbax's arrays go to on s3://. Endpoints and credentials come from
+each client's standard environment (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, ...). Does not
+own: what the files hold, which module writes which, the lease itself (lease), or how long
+a call may take and how its failure is named (remote_io).
+
+See docs/design.md, "Run directories on object storage".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from async_rl.config import ConfigError
+
+# scheme -> (the optional extra that brings its client, the module that must import)
+BACKENDS = {"gs": ("gcs", "gcsfs"), "s3": ("s3", "s3fs")}
+
+
+class MissingExtra(ConfigError):
+    """An object-store run.dir whose client library is not installed (exit 2)."""
+
+
+def scheme(p) -> str | None:
+    """'gs' or 's3' for an object-store URL, None for a local path."""
+    s = str(p)
+    for name in BACKENDS:
+        if s.startswith(f"{name}://"):
+            return name
+    return None
+
+
+def is_remote(p) -> bool:
+    return scheme(p) is not None
+
+
+def run_path(p):
+    """The path object for a run directory: `Path` (local) or `epath.Path` (object store)."""
+    if is_remote(p):
+        from etils import epath
+        filesystem(p)  # a missing extra is named here, before anything else is tried
+        return epath.Path(str(p).rstrip("/"))
+    return Path(p)
+
+
+def url(p) -> str:
+    return str(p)
+
+
+@functools.lru_cache(maxsize=None)
+def _fs(name: str):
+    extra, module = BACKENDS[name]
+    try:
+        __import__(module)
+    except ImportError:
+        raise MissingExtra(f"{name}:// run directories need the {module} client: pip install 'async_rl[{extra}]'") \
+            from None
+    import fsspec
+    import fsspec.config
+
+    from async_rl.store import remote_io
+    remote_io.ensure()  # every call bounded and named (run.storage_timeout_s)
+    # listings are read fresh: another process (or host) may have written since. A config
+    # default (applied by every class whose protocols include `name`) reaches the instances
+    # Orbax and etils.epath make too, not only ours.
+    fsspec.config.conf.setdefault(name, {})["use_listings_cache"] = False
+    return fsspec.filesystem(name, skip_instance_cache=True)
+
+
+def filesystem(p):
+    """The fsspec filesystem of an object-store URL (MissingExtra naming the extra to install)."""
+    name = scheme(p)
+    if name is None:
+        raise ValueError(f"{p}: not an object-store URL")
+    return _fs(name)
+
+
+def tensorstore_kvstore(p) -> dict:
+    """tensorstore's kvstore spec for an `s3://bucket/key` prefix (Orbax writes arrays through
+    it). Endpoint and region come from the AWS SDKs' standard settings, as s3fs's client
+    reads them: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or the profile's `endpoint_url` (its
+    `services` section's s3 one first); AWS_REGION, AWS_DEFAULT_REGION or the profile's
+    region; where no region is set, tensorstore asks the bucket."""
+    if scheme(p) != "s3":
+        raise ValueError(f"{p}: not an s3:// URL")
+    bucket, _, key = url(p)[len("s3://"):].partition("/")
+    spec = {"driver": "s3", "bucket": bucket, "path": key}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or _profile_endpoint()
+    if endpoint:
+        spec["endpoint"] = endpoint
+    region = _aws_region()
+    if region:
+        spec["aws_region"] = region
+    from async_rl.store import remote_io
+    spec["context"] = {"s3_request_retries": remote_io.tensorstore_retries()}  # bounded by run.storage_timeout_s
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        # the keys the default chain would take first; naming their provider skips its profile
+        # lookup, which logs five error lines per checkpoint where there are no profile files
+        spec["context"]["aws_credentials"] = {"type": "environment"}
+    return spec
+
+
+def _aws_region() -> str | None:
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or _profile_region()
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_endpoint() -> str | None:
+    """The s3 endpoint the AWS config file names for the current profile, None without one."""
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return None
+    try:
+        import botocore.exceptions
+        import botocore.session
+    except ImportError:
+        return None
+    session = botocore.session.get_session()
+    try:
+        scoped = session.get_scoped_config()
+    except botocore.exceptions.ProfileNotFound:
+        return None
+    if str(scoped.get("ignore_configured_endpoint_urls", "")).lower() == "true":
+        return None
+    service = session.full_config.get("services", {}).get(scoped.get("services", ""), {}).get("s3", {})
+    return service.get("endpoint_url") or scoped.get("endpoint_url")
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_region() -> str | None:
+    try:
+        import botocore.session  # s3fs's client reads the same profile
+    except ImportError:
+        return None
+    return botocore.session.get_session().get_config_variable("region")
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+
+def exists(p) -> bool:
+    return filesystem(p).exists(url(p)) if is_remote(p) else Path(p).exists()
+
+
+def is_file(p) -> bool:
+    return filesystem(p).isfile(url(p)) if is_remote(p) else Path(p).is_file()
+
+
+def is_dir(p) -> bool:
+    return filesystem(p).isdir(url(p)) if is_remote(p) else Path(p).is_dir()
+
+
+def size(p) -> int:
+    """Bytes in file `p`; FileNotFoundError where there is none."""
+    return int(filesystem(p).info(url(p))["size"]) if is_remote(p) else Path(p).stat().st_size
+
+
+def read_bytes(p) -> bytes:
+    return filesystem(p).cat_file(url(p)) if is_remote(p) else Path(p).read_bytes()
+
+
+def read_text(p) -> str:
+    return read_bytes(p).decode()
+
+
+def listdir(p) -> list[str]:
+    """Names directly under `p` (files and folders), sorted; [] where there is nothing."""
+    if not is_remote(p):
+        return sorted(os.listdir(p)) if Path(p).is_dir() else []
+    fs = filesystem(p)
+    try:
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(url(p), detail=False)} - {""})
+    except FileNotFoundError:
+        return []
+
+
+def glob(p, pattern: str) -> list:
+    """Paths under `p` whose names match `pattern` (one level), sorted."""
+    import fnmatch
+    return [p / n for n in listdir(p) if fnmatch.fnmatchcase(n, pattern)]
+
+
+# ---- logs: a file locally, ordered segment objects on an object store -------------------
+
+# An object store has no append: a log `name.jsonl` there is the folder `name.jsonl/` of
+# segment objects `<seq>` (one per append), read back in order and concatenated.
+SEGMENT_DIGITS = 10
+
+
+def segments(p) -> list[tuple[str, int]]:
+    """(url, bytes) of each segment of log `p` on an object store, in order."""
+    fs = filesystem(p)
+    try:
+        entries = fs.ls(url(p), detail=True)
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        if e.get("type") == "file" and len(name) == SEGMENT_DIGITS and name.isdigit():
+            out.append((f"{scheme(p)}://{e['name']}", int(e["size"])))
+    return sorted(out)
+
+
+def segment_name(seq: int) -> str:
+    return f"{seq:0{SEGMENT_DIGITS}d}"
+
+
+def read_log(p) -> bytes:
+    """The whole content of log `p` (b"" where there is none)."""
+    if not is_remote(p):
+        try:
+            return Path(p).read_bytes()
+        except FileNotFoundError:
+            return b""
+    fs = filesystem(p)
+    out = []
+    for u, _ in segments(p):
+        try:
+            out.append(fs.cat_file(u))
+        except FileNotFoundError:  # cut by a resume while read: a cut deletes from the end
+            break
+    return b"".join(out)
+
+
+def log_size(p) -> int:
+    """Bytes in log `p` (0 where there is none)."""
+    if not is_remote(p):
+        return Path(p).stat().st_size if Path(p).is_file() else 0
+    return sum(n for _, n in segments(p))
+
+
+def cut_log(p, nbytes: int) -> int:
+    """Cuts log `p` back to its first `nbytes`; returns the bytes cut. On an object store the
+    segments past the cut go from the last backwards, so a cut stopped half-way leaves a
+    shorter log with no gap, and the next cut finishes it."""
+    if not is_remote(p):
+        size = log_size(p)
+        if size > nbytes:
+            os.truncate(p, nbytes)
+        return max(0, size - nbytes)
+    segs, fs = segments(p), filesystem(p)
+    if segs:
+        check_write(p)
+    ends = []
+    pos = 0
+    for u, n in segs:
+        ends.append((u, pos, n))
+        pos += n
+    cut = max(0, pos - nbytes)
+    for u, start, n in reversed(ends):
+        if start >= nbytes:
+            fs.rm_file(u)
+        elif start + n > nbytes:
+            fs.pipe_file(u, fs.cat_file(u)[:nbytes - start])
+    return cut
+
+
+def is_log(p) -> bool:
+    """Whether log `p` exists with at least one byte."""
+    return log_size(p) > 0
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+# Writes under an object-store run directory first call its holder's check (the lease:
+# LockLostError once it is lost), so a run that lost its lease writes nothing more.
+_guards: dict[str, object] = {}
+
+
+def guard(root, check) -> None:
+    """Every write under `root` (an object-store run directory) calls `check()` first."""
+    _guards[url(root).rstrip("/") + "/"] = check
+
+
+def unguard(root) -> None:
+    _guards.pop(url(root).rstrip("/") + "/", None)
+
+
+def check_write(p) -> None:
+    """The write guard of the run directory holding `p`, if any (Orbax's commit calls it too)."""
+    if _guards:
+        u = url(p)
+        for root, check in list(_guards.items()):
+            if u.startswith(root):
+                check()
+
+
+def write_atomic(p, data: bytes | str) -> None:
+    """Readers see the old content or the new, never a torn write (OSError as raised)."""
+    data = data.encode() if isinstance(data, str) else data
+    if is_remote(p):
+        check_write(p)
+        filesystem(p).pipe_file(url(p), data)  # one PUT: the object appears whole
+        return
+    p = Path(p)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def create(p, data: bytes) -> bool:
+    """Writes `p` only if it does not exist yet; False where it does (another writer won)."""
+    if is_remote(p):
+        check_write(p)
+        try:
+            filesystem(p).pipe_file(url(p), data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return True
+
+
+def remove(p) -> None:
+    """Deletes file `p` (nothing where it is gone already)."""
+    if is_remote(p):
+        check_write(p)
+        try:
+            filesystem(p).rm_file(url(p))
+        except FileNotFoundError:
+            pass
+    else:
+        Path(p).unlink(missing_ok=True)
+
+
+def mkdirs(p) -> None:
+    """A directory for `p` (object stores have none: nothing to do)."""
+    if not is_remote(p):
+        Path(p).mkdir(parents=True, exist_ok=True)
+
+
+def move(src, dst) -> None:
+    """Moves a file or folder (object stores: copy then delete, so not atomic)."""
+    if is_remote(src):
+        check_write(src)
+        filesystem(src).mv(url(src), url(dst), recursive=True)
+    else:
+        os.replace(src, dst)
+
+
+def remove_tree(p) -> None:
+    """Deletes everything under folder `p` of an object store (nothing where it is gone)."""
+    fs = filesystem(p)
+    try:
+        found = fs.find(url(p))
+    except FileNotFoundError:
+        return
+    if found:
+        check_write(p)
+        fs.rm([f"{scheme(p)}://{f}" for f in found])

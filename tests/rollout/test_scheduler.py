@@ -1,0 +1,132 @@
+"""The slot scheduler's ordering rules, over a host-only rollout: slots refilled before the
+chunk that ended them is recorded, no chunk spent on an ended sample, a slot freed only once
+its sample's last tokens are recorded, fills only between a collect and the next step, and
+on stop the fetched chunk recorded first."""
+
+import numpy as np
+
+from async_rl.rollout.decoding import Requests
+from async_rl.rollout.interface import Chunk
+from async_rl.rollout.scheduler import Scheduler
+
+STOP = 0
+
+
+def stop_at(ordinal: int) -> int:
+    """The sample of `ordinal` draws the stop token as its n-th token (1-based)."""
+    return 2 + ordinal % 11
+
+
+class HostRollout:
+    """A `Rollout` on the host: token n of a sample is STOP at n == stop_at(ordinal), else
+    100 + ordinal; every call is appended to `log`. It checks what the scheduler asks of it:
+    a live slot holds a sample that has not ended, and every unended sample is live."""
+
+    version = 0
+
+    def __init__(self, capacity: int, steps_per_call: int, log: list):
+        self.capacity, self.steps_per_call, self.log = capacity, steps_per_call, log
+        self.rows: dict[int, list[int]] = {}  # slot -> [ordinal, tokens made, budget]
+
+    def swap(self, params, version: int) -> None:
+        self.version = version
+
+    def start(self, starts) -> None:
+        self.log.append(("start", [s.slot for s in starts]))
+        for s in starts:
+            assert s.slot not in self.rows or self._ended(s.slot), "a start into a slot still generating"
+            self.rows[s.slot] = [s.ordinal, len(s.tokens), s.budget]
+
+    def _ended(self, slot: int) -> bool:
+        o, n, budget = self.rows[slot]
+        return n >= budget or n >= stop_at(o)
+
+    def step(self, live):
+        self.log.append(("step", [i for i, x in enumerate(live) if x]))
+        for slot in list(self.rows):
+            assert bool(live[slot]) != self._ended(slot), f"slot {slot}: live={live[slot]} ended={self._ended(slot)}"
+            if not live[slot]:
+                del self.rows[slot]
+        toks = np.full((self.steps_per_call, self.capacity), -1, np.int32)
+        for slot, row in self.rows.items():
+            for k in range(self.steps_per_call):
+                row[1] += 1
+                toks[k, slot] = STOP if row[1] == stop_at(row[0]) else 100 + row[0]
+        return Chunk(toks, -np.abs(toks).astype(np.float32), self.version)
+
+    def collect(self, pending) -> Chunk:
+        self.log.append(("collect",))
+        return pending
+
+    def stop(self, slots) -> None:
+        pass
+
+    def forget(self, ordinals) -> None:
+        self.log.append(("forget", list(ordinals)))
+
+
+class Checked(Requests):
+    """`Requests` that logs its calls and checks, at each fill, that a free slot (None) held
+    only samples whose last tokens were recorded."""
+
+    def __init__(self, *a, log: list, **kw):
+        super().__init__(*a, **kw)
+        self.log, self.sched, self.refilled_first = log, None, 0
+        self.held: dict[int, list] = {}  # slot -> every row it was given
+
+    def fill(self, free, busy):
+        self.log.append(("fill", list(free)))
+        for slot in free:
+            if self.sched.slots[slot] is None:
+                assert all(self.out[r.prompt][r.sample] is not None for r in self.held.get(slot, ())), slot
+        fill = super().fill(free, busy)
+        for st, row in zip(fill.starts, fill.occupants):
+            self.held.setdefault(st.slot, []).append(row)
+        return fill
+
+    def record(self, pieces, version):
+        self.log.append(("record",))
+        self.refilled_first += sum(p.ended and self.sched.slots[p.slot] is not p.occupant for p in pieces)
+        super().record(pieces, version)
+
+    def run(self, rollout, stops, stop=None):
+        self.sched = Scheduler(rollout, self, stops)
+        self.sched.run(stop or (lambda: not self.waiting and self.sched.idle))
+        return self.out
+
+
+def expected(ordinal: int, cap: int) -> list[int]:
+    n = min(cap, stop_at(ordinal))
+    return [STOP if i + 1 == stop_at(ordinal) else 100 + ordinal for i in range(n)]
+
+
+def test_ended_slots_are_refilled_before_their_chunk_is_recorded_and_freed_only_after():
+    log: list = []
+    caps = np.random.RandomState(0).randint(1, 12, (9, 2)).tolist()
+    req = Checked([np.ones(2, np.int32)] * 9, samples=2, limits=caps, ordinals=list(range(10, 19)), log=log)
+    out = req.run(HostRollout(3, 4, log), (STOP,))
+    for i in range(9):
+        for s in range(2):
+            assert out[i][s].tokens.tolist() == expected(10 + i, caps[i][s])
+            np.testing.assert_array_equal(out[i][s].logprobs, -np.abs(out[i][s].tokens))
+    assert req.refilled_first > 0, "no slot was refilled before the chunk that ended it was recorded"
+    names = [e[0] for e in log]
+    # every turn fills before it dispatches; between a dispatch and its collect there is no fill
+    # (the one place a source may swap weights) but the previous chunk's record
+    for i, name in enumerate(names):
+        if name == "step":
+            assert names[i - 1] in ("fill", "start", "forget")
+            assert names[i + 1] == "collect" or names[i + 1:i + 3] == ["record", "collect"], names[i:i + 3]
+    assert names[-1] == "record"
+    # a prompt's prefill is forgotten once its last sample is in a slot
+    forgotten = [o for e in log if e[0] == "forget" for o in e[1]]
+    assert forgotten == list(range(10, 19))
+
+
+def test_on_stop_the_fetched_chunk_is_recorded_first():
+    log: list = []
+    ordinals = [10, 21, 32]  # each stops at its 12th token: none ends within two chunks of 4
+    req = Checked([np.ones(2, np.int32)] * 3, samples=1, limits=[[100]] * 3, ordinals=ordinals, log=log)
+    req.run(HostRollout(3, 4, log), (STOP,), stop=lambda: req.sched.stats.calls >= 2)
+    assert [e[0] for e in log].count("collect") == 2 and log[-1] == ("record",)
+    assert [r.tokens for r in req.sched.slots] == [[100 + o] * 8 for o in ordinals]

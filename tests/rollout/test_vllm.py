@@ -1,0 +1,259 @@
+"""The vLLM rollout backend on a small random Qwen2 checkpoint: behaviour logprobs against the
+learner's, weights loaded in place, exact per-token versions, continuations of saved
+samples. One vLLM engine for the module (its start-up dominates); skipped without vLLM."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_hf import CONFIGS, load, our_logits, random_weights, write_checkpoint
+
+from async_rl import config as C
+from async_rl.model import hf
+from async_rl.rollout.interface import Start
+
+T = 0.7  # sampling temperature: the logprobs must be the ones after it
+K, SLOTS, P, N = 4, 4, 6, 12
+NT = 80  # the tokenizer's size: the checkpoint's 96 embedding rows pad it, the rest are never sampled
+
+
+def test_vllm_backend_refuses_deterministic_mode():
+    with pytest.raises(C.ConfigError, match=r"run\.determinism"):
+        C.load("configs/tiny.yaml", ["engine.backend=vllm", "run.determinism=true", "model.hf_path=/nowhere",
+                                     "model.learned_positions=0"])
+    with pytest.raises(C.ConfigError, match=r"model\.hf_path"):
+        C.load("configs/tiny.yaml", ["engine.backend=vllm"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from async_rl.rollout.vllm_backend import available
+
+    if (why := available()) is not None:
+        pytest.skip(why)
+    # head_dim 32: vLLM's CPU attention has no kernel for 16
+    hc = dict(CONFIGS["qwen2"], num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    path = write_checkpoint(tmp_path_factory.mktemp("qwen2"), hc, random_weights(hc))
+    return (path, *load(path))
+
+
+def rollout(path, **sampling):
+    from async_rl.rollout.vllm_backend import VLLMRollout
+
+    return VLLMRollout(hf_path=str(path), slots=SLOTS, steps_per_call=K, max_prompt_len=P, max_new_tokens=N,
+                       temperature=T, seed=0, stop_ids=(0,), dtype="float32", tie_embeddings=True,
+                       gpu_memory_utilization=0.5, cpu_kv_cache_gib=1, n_tokens=NT, **sampling)
+
+
+EVAL_SLOTS = 2  # room in the module's engine for a view beside its training slots
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoint):
+    path, mcfg, params, graphdef, _ = checkpoint
+    r = rollout(path, top_k=0, top_p=1.0, spare_slots=EVAL_SLOTS)
+    yield r, mcfg, params, graphdef
+    r.close()
+
+
+def prompts(n, seed=0):
+    return [np.random.default_rng(seed + i).integers(1, 96, P).astype(np.int32) for i in range(n)]
+
+
+def run(r, starts, swap_after=None, new=None):
+    """Steps until every started sample ended; {slot: (tokens, logprobs, versions)}."""
+    r.start(starts)
+    out = {s.slot: ([], [], []) for s in starts}
+    budget = {s.slot: s.budget for s in starts}
+    calls = 0
+    while any(out[s][0][-1:] != [0] and len(out[s][0]) < budget[s] for s in out):
+        live = [s in out and out[s][0][-1:] != [0] and len(out[s][0]) < budget[s] for s in range(SLOTS)]
+        c = r.collect(r.step(live))
+        calls += 1
+        for s in out:
+            if not live[s]:
+                continue
+            for k in range(K):
+                if out[s][0][-1:] == [0] or len(out[s][0]) == budget[s]:
+                    break
+                out[s][0].append(int(c.tokens_KxS[k, s]))
+                out[s][1].append(float(c.logprobs_KxS[k, s]))
+                out[s][2].append(int(c.versions_KxS[k, s]))
+        if calls == swap_after:
+            r.swap(*new)
+    return out
+
+
+def scaled_logits(graphdef, params, context, tokens):
+    """logits / T over the tokenizer's ids where each of `tokens` was drawn (teacher forcing)."""
+    seq = np.concatenate([context, np.asarray(tokens, np.int32)])[None]
+    logits = our_logits(graphdef, params, seq, np.arange(seq.shape[1])[None].astype(np.int32))[0].astype(np.float64)
+    return logits[len(context) - 1:-1, :NT] / T
+
+
+def learner_logprobs(graphdef, params, context, tokens):
+    """log softmax(logits / T) over the tokenizer's ids of each token given everything before it."""
+    z = scaled_logits(graphdef, params, context, tokens)
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    return z[np.arange(len(tokens)), tokens] - lse
+
+
+def perturbed(params, seed=1):
+    rng = np.random.default_rng(seed)
+    import jax
+    return jax.tree.map(lambda x: x + 0.05 * rng.normal(size=x.shape).astype(np.float32), params)
+
+
+def test_behaviour_logprobs_match_the_learner(setup):
+    r, _, params, graphdef = setup
+    r.swap(params, 0)
+    ps = prompts(2)
+    out = run(r, [Start(slot, slot // 2, slot % 2, ps[slot // 2], (), N) for slot in range(SLOTS)])
+    gap = max(np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s // 2], t)).max()
+              for s, (t, lp, _) in out.items())
+    assert gap <= 1e-4, gap
+    assert all(v == [0] * len(t) for t, _, v in out.values())
+    assert max(max(t) for t, _, _ in out.values()) < NT
+
+
+def test_a_sample_draws_the_same_tokens_in_any_slot_and_batch(setup):
+    r, _, params, _ = setup
+    r.swap(params, 0)
+    ps = prompts(4, seed=40)
+    alone = run(r, [Start(0, 40, 1, ps[0], (), N)])[0][0]
+    batch = run(r, [Start(s, 40 + (s + 3) % 4, 1, ps[(s + 3) % 4], (), N) for s in range(SLOTS)])
+    assert batch[1][0] == alone  # slot 1 holds ordinal 40 now, beside three others
+    other = run(r, [Start(2, 40, 0, ps[0], (), N)])[2][0]
+    assert other != alone or len(alone) == 1  # another sample of the group draws its own tokens
+
+
+def test_weights_swap_in_place_and_versions_are_exact(setup):
+    r, _, params, graphdef = setup
+    r.swap(params, 0)
+    new = perturbed(params)  # the embedding changes too: the tied head must follow
+    ps = prompts(4, seed=10)
+    out = run(r, [Start(s, 10 + s, 0, ps[s], (), N) for s in range(SLOTS)], swap_after=1, new=(new, 1))
+    for t, _, v in out.values():
+        assert v[:K] == [0] * min(K, len(t)) and v[K:] == [1] * (len(t) - K)
+    fresh = run(r, [Start(0, 20, 0, ps[0], (), N)])[0]
+    assert fresh[2] == [1] * len(fresh[0])
+    gap = np.abs(np.asarray(fresh[1]) - learner_logprobs(graphdef, new, ps[0], fresh[0])).max()
+    assert gap <= 1e-4, gap  # vLLM runs the new weights, not the checkpoint's
+
+
+def test_a_saved_sample_continues_with_its_remaining_budget(setup):
+    r, _, params, graphdef = setup
+    r.swap(params, 0)
+    p = prompts(1, seed=30)[0]
+    saved = [int(t) for t in np.random.default_rng(3).integers(1, 96, 5)]
+    t, lp, _ = run(r, [Start(1, 30, 0, p, tuple(saved), N - len(saved))])[1]
+    assert 1 <= len(t) <= N - len(saved) and (len(t) == N - len(saved) or t[-1] == 0)
+    gap = np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, np.concatenate([p, saved]), t)).max()
+    assert gap <= 1e-4, gap
+
+
+def test_published_weights_reach_vllm_through_dlpack_without_a_copy(setup):
+    """Every HF tensor is handed over; one already on vLLM's device in the HF layout is the same
+    memory on both sides (on a GPU: the weights never leave it)."""
+    import jax
+
+    from async_rl.rollout.vllm_backend import torch_weights
+
+    r, _, params, _ = setup
+    here = jax.device_put(params, r.device)
+    arrays = dict(hf.hf_arrays(here))
+    tensors = dict(torch_weights(here, True, r.device))
+    assert "model.embed_tokens.weight" in arrays and "model.layers.1.self_attn.q_proj.bias" in arrays
+    assert set(tensors) == set(arrays) | {"lm_head.weight"}
+    emb = arrays["model.embed_tokens.weight"]
+    assert tensors["model.embed_tokens.weight"].data_ptr() == emb.unsafe_buffer_pointer()
+    assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]  # the tied head
+    for name, t in dict(torch_weights(params, True, r.device)).items():  # sharded: gathered
+        np.testing.assert_array_equal(t.numpy(), np.asarray(arrays.get(name, emb)))
+
+
+def test_an_eval_view_runs_beside_training_samples_on_the_same_engine(setup):
+    """Greedy evaluation on a view of the engine while another thread generates training
+    samples on it: each sees only its own requests' tokens, the view's are the learner's
+    argmax, the training samples keep the learner's logprobs and the engine's version."""
+    import threading
+
+    from async_rl.rollout.decoding import generate_all
+
+    r, _, params, graphdef = setup
+    r.swap(params, 3)
+    ev = r.view(EVAL_SLOTS, temperature=0.0)
+    ps = prompts(SLOTS + 3, seed=60)
+    train: dict = {}
+    t = threading.Thread(target=lambda: train.update(run(r, [Start(s, 60 + s, 0, ps[s], (), N)
+                                                             for s in range(SLOTS)])))
+    t.start()
+    comps = generate_all(ev, None, ps[SLOTS:], eos_id=0, ordinals=[1 << 30, 1 + (1 << 30), 2 + (1 << 30)],
+                         max_new_tokens=N)  # three prompts through two slots: one refill
+    t.join(timeout=120)
+    assert not t.is_alive() and sorted(train) == list(range(SLOTS))
+    for p, (c,) in zip(ps[SLOTS:], comps):
+        assert 1 <= len(c.tokens) <= N
+        assert list(scaled_logits(graphdef, params, p, c.tokens).argmax(-1)) == c.tokens.tolist()
+    for s, (tk, lp, v) in train.items():
+        assert v == [3] * len(tk)
+        assert np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s], tk)).max() <= 1e-4
+
+
+TOP_K, TOP_P = 5, 0.8
+
+
+def test_behaviour_logprobs_with_top_k_and_top_p_are_the_learners(checkpoint):
+    """Top-k and top-p restrict what is drawn; the behaviour logprobs stay the learner's (log
+    softmax(logits / T) before truncation, as the built-in engine's `sample_token` returns),
+    not vLLM's own renormalised over the kept tokens."""
+    path, _, params, graphdef, _ = checkpoint
+    r = rollout(path, top_k=TOP_K, top_p=TOP_P, enforce_eager=True)  # eager: no second compile warm-up
+    try:
+        ps = prompts(2, seed=50)
+        out = run(r, [Start(slot, 50 + slot // 2, slot % 2, ps[slot // 2], (), N) for slot in range(SLOTS)])
+    finally:
+        r.close()
+    gap, drawn = 0.0, 0
+    for s, (t, lp, _) in out.items():
+        gap = max(gap, np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s // 2], t)).max())
+        for z, tok in zip(scaled_logits(graphdef, params, ps[s // 2], t), t):
+            order = np.argsort(-z)[:TOP_K]  # the top-k, most likely first
+            assert tok in order
+            probs = np.exp(z[order] - z[order].max())
+            probs /= probs.sum()
+            before = probs[:list(order).index(tok)].sum()  # nucleus: mass of the likelier kept tokens
+            assert before < TOP_P + 1e-4, (before, TOP_P)
+            drawn += 1
+    assert gap <= 1e-4, gap
+    assert drawn >= SLOTS
+
+
+def test_a_run_on_vllm_evaluates_on_its_engine(tmp_path, capsys, checkpoint):  # checkpoint: skips without vLLM
+    """A short run with engine.backend=vllm and held-out evaluation: the evaluator is a view of
+    the run's vLLM engine (no built-in engine of its own); it scores steps 2 and 3. Last in the
+    module: the run's vLLM engine, once collected, tears down vLLM's process-wide groups."""
+    from test_vllm_crash import vllm_run_overrides
+
+    from async_rl.obs.metrics import read_jsonl
+    from async_rl.run import cli
+
+    args = vllm_run_overrides(tmp_path)
+    rc = cli.main(["train", "--config", "configs/tiny.yaml", *args, f"run.dir={tmp_path / 'run'}",
+                   "train.max_steps=3", "eval.every_steps=2", "log.progress=false", "log.tensorboard=false",
+                   "log.plot=false"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    assert "on the run's vLLM engine" in out.out + out.err
+    evals = {m["step"]: m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "eval/accuracy" in m}
+    assert sorted(evals) == [2, 3] and all(m["eval/completion_tokens"] >= 1 for m in evals.values())
+    # `async-rl eval` starts a vLLM engine of its own (a process of its own: see above) and,
+    # greedy, scores the saved step as the run did
+    r = subprocess.run([sys.executable, "-m", "async_rl", "eval", str(tmp_path / "run"), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["step"] == 3
+    assert {k: got[k] for k in evals[3] if k.startswith("eval/")} == {k: v for k, v in evals[3].items()
+                                                                    if k.startswith("eval/")}
