@@ -128,6 +128,13 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_embeddings: bool = True  # output projection shares the embedding matrix
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2-style)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    gemma: bool = False  # Gemma 3 block: norms scale by 1 + w, post-attention/MLP norms, GeGLU (gelu tanh), embeddings x sqrt(d_model)
+    sliding_window: int = 0  # local layers: a query sees the keys less than this many tokens back; 0 = all layers global
+    global_every: int = 0  # with sliding_window: every n-th layer (n-1, 2n-1, ...) is global, the rest local
+    rope_local_theta: float = 0.0  # RoPE base of local (sliding-window) layers, unscaled; 0 = rope_theta
+    query_pre_attn_scalar: float = 0.0  # attention scores are q.k / sqrt(this); 0 = head_dim
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = off
     learned_positions: int = 0  # learned absolute position table over columns (>= P + N); 0 = RoPE only
     dtype: str = "float32"  # activation/compute dtype
     param_dtype: str = "float32"  # parameter storage dtype
@@ -156,6 +163,34 @@ class ModelConfig:
                    self.rope_original_max_positions, "must be > 0")
         for k in ("dtype", "param_dtype"):
             _one_of(f"model.{k}", getattr(self, k), ("float32", "bfloat16", "float16"))
+        self._check_family()
+
+    def _check_family(self):
+        """Refuses feature mixes no model family has (one line each): the fields select
+        Llama, Qwen2 (qkv_bias), Qwen3 (qk_norm) or Gemma 3 (gemma + qk_norm)."""
+        for k in ("sliding_window", "global_every"):
+            _check(getattr(self, k) >= 0, f"model.{k}", getattr(self, k), "must be >= 0")
+        for k in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcap"):
+            _check(getattr(self, k) >= 0, f"model.{k}", getattr(self, k), "must be >= 0")
+        _check(not (self.qkv_bias and self.qk_norm), "model.qk_norm", self.qk_norm,
+               "cannot be combined with model.qkv_bias (no model family has both)")
+        _check(not self.gemma or self.qk_norm, "model.qk_norm", self.qk_norm, "must be true with model.gemma (Gemma 3)")
+        gemma_only = ("sliding_window", "global_every", "rope_local_theta", "query_pre_attn_scalar",
+                      "final_logit_softcap")
+        for k in gemma_only:
+            _check(self.gemma or not getattr(self, k), f"model.{k}", getattr(self, k),
+                   "needs model.gemma=true (only Gemma 3 has it here)")
+        _check(bool(self.sliding_window) == bool(self.global_every), "model.global_every", self.global_every,
+               f"must be set together with model.sliding_window ({self.sliding_window})")
+        _check(not self.rope_local_theta or self.sliding_window, "model.rope_local_theta", self.rope_local_theta,
+               "needs model.sliding_window (it is the local layers' base)")
+        _check(not (self.gemma and self.learned_positions), "model.learned_positions", self.learned_positions,
+               "must be 0 with model.gemma")
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where attention is sliding-window (local)."""
+        every = self.global_every
+        return tuple(bool(every) and (i + 1) % every != 0 for i in range(self.n_layers))
 
     @property
     def resolved_head_dim(self) -> int:

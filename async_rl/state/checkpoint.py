@@ -54,7 +54,6 @@ from async_rl.state.items import (
 from async_rl.state.layout import (
     COMMIT_FILE,
     committed_steps,
-    is_step_name,
     iterator_file,
     last_committed,
     meta_file,
@@ -120,17 +119,6 @@ class Choice:
     damaged: list[DamagedStep]
 
 
-class _FaultyCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
-    """Orbax's commit (rename of the temporary directory), failing with ENOSPC for the steps
-    ASYNC_RL_FAULT names: the crash tests' stand-in for a full disk."""
-
-    async def finalize(self, *args, **kwargs):
-        name = Path(str(self.get_final())).name
-        if is_step_name(name):  # the step directory, not one of its items
-            faults.raise_enospc("commit", int(name))
-        return await super().finalize(*args, **kwargs)
-
-
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool):
         orbax_patch.install()
@@ -149,10 +137,10 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=None if remote else self.keep,
                                             enable_async_checkpointing=self.async_save,
                                             cleanup_tmp_directories=True, create=True)
-        if temporary_path_class(self.directory) is not None:
-            opts = dataclasses.replace(opts, temporary_path_class=temporary_path_class(self.directory))
-        elif faults.enospc_points():
-            opts = dataclasses.replace(opts, temporary_path_class=_FaultyCommit)
+        # an object store's commit record, or (crash tests) a commit that fails as a full disk would
+        commit = temporary_path_class(self.directory) or faults.commit_class()
+        if commit is not None:
+            opts = dataclasses.replace(opts, temporary_path_class=commit)
         self.mngr = ocp.CheckpointManager(self.directory, options=opts)
 
     def steps(self) -> list[int]:

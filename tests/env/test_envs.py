@@ -274,3 +274,13 @@ def test_submit_copies_its_inputs_and_refuses_after_close():
     runner.close()
     with pytest.raises(RuntimeError, match="after close"):
         runner.submit(key(2), REPLY, {})
+
+
+def test_a_run_with_an_env_is_refused_until_training_uses_it(tmp_path):
+    """rollout.env is not wired into training yet: a run asking for it stops at once, exit 2,
+    one line, nothing written (instead of training single-turn without saying so)."""
+    from async_rl.run.cli import main
+    run_dir = tmp_path / "run"
+    code = main(["train", "--config", "configs/tiny.yaml", f"run.dir={run_dir}", "rollout.env=lookup",
+                 "data.task=lookup"])
+    assert code == 2 and not run_dir.exists()
