@@ -10,8 +10,6 @@ means (a resume may not change them). Does not own: checks that need devices
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import types
 import typing
@@ -487,26 +485,6 @@ class Config:
 
 
 GROUPS = tuple(f.name for f in dataclasses.fields(Config))
-# How a resume treats a field that differs from the checkpoint's config (docs/design.md, "Run
-# directory safety"). Fields listed nowhere are free to change (learning rate, max_steps, logging...).
-# Changing one of these would make a checkpoint's iterator state and ledger mean other prompts.
-DATA_STREAM_FIELDS = (
-    "data.source", "data.task", "data.num_records", "data.seed", "data.shuffle",
-    "data.min_digits", "data.max_digits", "data.prompt_field", "data.answer_field", "data.id_field",
-    "rollout.prompts_per_step", "rollout.samples_per_prompt", "sampler.name",
-)
-# Changing one of these changes the structure of the saved model/optimizer state.
-STATE_FIELDS = (
-    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-    "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
-    "model.param_dtype", "learner.grad_clip",
-)
-# These may grow on resume but not shrink: the saved iterator and ledger may hold what a lower
-# value cannot (epochs already drawn; partial completions longer than the new cap).
-NO_LOWER_FIELDS = {
-    "data.num_epochs": "lowering it would drop epochs the saved iterator and ledger may already hold",
-    "rollout.max_new_tokens": "the saved ledger may hold partial completions longer than the new cap",
-}
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 
@@ -666,53 +644,6 @@ def replace(cfg: Config, **groups: dict[str, Any]) -> Config:
 def get(cfg: Config, dotted: str) -> Any:
     group, name = dotted.split(".")
     return getattr(getattr(cfg, group), _YAML_ALIASES.get(name, name))
-
-
-@dataclass(frozen=True)
-class Change:
-    key: str  # group.field
-    saved: Any
-    now: Any
-    kind: str  # free | state | stream | lowered
-
-    def __str__(self) -> str:
-        return f"{self.key}: saved {self.saved!r}, now {self.now!r}"
-
-
-def _state_value(key: str, value: Any) -> Any:
-    # gradient clipping adds a state-free transform, but on/off changes the optimizer tree
-    return bool(value) if key == "learner.grad_clip" else value
-
-
-def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
-    """Every field of `cfg` that differs from a checkpoint's saved config (`to_dict` form),
-    with how a resume treats it. Fields the saved config lacks (older runs) are skipped."""
-    out, now = [], to_dict(cfg)
-    for g, fields_ in now.items():
-        for name, value in fields_.items():
-            key = f"{g}.{name}"
-            if name not in saved.get(g, {}) or saved[g][name] == value:
-                continue
-            old = saved[g][name]
-            if key in DATA_STREAM_FIELDS:
-                kind = "stream"
-            elif key in NO_LOWER_FIELDS and value < old:
-                kind = "lowered"
-            elif key in STATE_FIELDS and _state_value(key, old) != _state_value(key, value):
-                kind = "state"
-            else:
-                kind = "free"
-            out.append(Change(key, old, value, kind))
-    return out
-
-
-def data_stream(cfg: Config) -> dict[str, Any]:
-    """The fields that define which prompts the stream yields, in which order and grouping."""
-    return {k: get(cfg, k) for k in DATA_STREAM_FIELDS}
-
-
-def fingerprint(d: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def field_docs() -> dict[str, list[tuple[str, str, str]]]:

@@ -34,7 +34,7 @@ from async_rl import faults
 from async_rl.buffer.ledger import Capture, LedgerSnapshot
 from async_rl.errors import RunFailure, UsageError
 from async_rl.model import sharding
-from async_rl.state import orbax_patch
+from async_rl.state import compat, orbax_patch
 from async_rl.state.items import (
     Damaged,
     IteratorState,
@@ -367,7 +367,7 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
                             f"with {saved_pc} process(es), or set run.determinism=false to resize it "
                             "(nothing was changed)")
     saved = meta.get("config") or {}
-    changes = C.changes(saved, cfg)
+    changes = compat.changes(saved, cfg)
     stream = [c for c in changes if c.kind == "stream"]
     if stream:
         c = stream[0]
@@ -378,7 +378,7 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
     if lowered:
         c = lowered[0]
         raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
-                            f"{c.key}={c.saved!r}; {C.NO_LOWER_FIELDS[c.key]}. Keep it >= {c.saved!r} or use a "
+                            f"{c.key}={c.saved!r}; {compat.NO_LOWER_FIELDS[c.key]}. Keep it >= {c.saved!r} or use a "
                             "new run.dir (nothing was changed)")
     return changes
 
