@@ -34,6 +34,25 @@ def _check(cond: bool, key: str, value: Any, why: str) -> None:
 def _one_of(key: str, value: Any, choices: tuple) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
 
+def load_callable(what: str, spec: str):
+    """The callable a `module:attr.path` config value names (`what` is the `key=value` the error
+    names); each way it can be wrong is one ConfigError."""
+    import importlib
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"{what}: cannot import module {mod_name!r} ({' '.join(str(e).split())})") from None
+    fn = mod
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"{what}: module {mod_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"{what}: {attr!r} in {mod_name!r} is not callable")
+    return fn
+
+
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -18,7 +18,6 @@ waits a bounded time.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import itertools
 import json
@@ -29,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from async_rl.config import ConfigError
+from async_rl.config import ConfigError, load_callable
 from async_rl.data.rewards import as_real
 from async_rl.errors import RunFailure
 
@@ -162,17 +161,7 @@ def load_env(spec: str, cfg=None):
         mod_name, sep, attr = spec.partition(":")
         if not sep or not mod_name or not attr:
             raise ConfigError(f"{what}: want a built-in env ({', '.join(BUILTIN_ENVS)}) or module:factory")
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ConfigError(f"{what}: cannot import module {mod_name!r} ({_one_line(e)})") from None
-        factory = mod
-        for part in attr.split("."):
-            factory = getattr(factory, part, None)
-            if factory is None:
-                raise ConfigError(f"{what}: module {mod_name!r} has no attribute {attr!r}")
-        if not callable(factory):
-            raise ConfigError(f"{what}: {attr!r} in {mod_name!r} is not callable")
+        factory = load_callable(what, spec)
         try:
             env = factory()
         except Exception as e:
