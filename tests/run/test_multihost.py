@@ -45,7 +45,8 @@ def test_two_processes_stop_kill_resume_exactly_once(tmp_path):
 PUBLISH = r"""
 import sys
 import jax, numpy as np
-from async_rl import config as C, sharding
+from async_rl import config as C
+from async_rl.model import sharding
 from async_rl.rollout.decoding import generate_all
 from async_rl.rollout.engine import Engine
 from async_rl.learner.step import Learner
@@ -132,7 +133,8 @@ def test_sigterm_to_process_0_stops_the_whole_job_with_one_save(tmp_path):
 
 HANDLER = r"""
 import os, signal, time
-from async_rl import signals, sharding
+from async_rl import signals
+from async_rl.model import sharding
 s = signals.install()
 assert sharding.init_distributed()
 os.kill(os.getpid(), signal.SIGTERM)
@@ -157,7 +159,7 @@ def test_the_sigterm_handler_after_joining_a_job_is_ours(tmp_path):
 
 AGREE = r"""
 import jax
-from async_rl import sharding
+from async_rl.model import sharding
 sharding.init_distributed()
 err = RuntimeError("reward function failed on prompt_id=7: boom\nsecond line") if jax.process_index() == 1 else None
 print("agreed", sharding.agree_or_fail([jax.process_index()], None).ravel().tolist(), flush=True)

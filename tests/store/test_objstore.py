@@ -186,7 +186,10 @@ def test_lease_has_one_winner(bucket):
 
 HOLD = """
 import sys, time, types
-from async_rl import lease, remote_io, rundir, storage
+from async_rl.store import lease
+from async_rl.store import remote_io
+from async_rl.store import rundir
+from async_rl.store import storage
 {prelude}
 run = storage.run_path(sys.argv[1])
 lock = rundir.run_lock(run, 0, lease_s=float(sys.argv[2]))
@@ -230,7 +233,7 @@ def test_lease_renewed_refused_then_taken_over(bucket):
 
 # HOLD on "another host" whose clock is an hour behind this one's
 SKEWED = """
-from async_rl import lease
+from async_rl.store import lease
 real = time.time
 lease.time = types.SimpleNamespace(time=lambda: real() - 3600, monotonic=time.monotonic, sleep=time.sleep,
                                    strftime=time.strftime, localtime=time.localtime)

@@ -81,7 +81,8 @@ def test_lease_deleted_under_a_live_run(scheme, request, xla_cache):
 
 HOLD_AND_PRUNE = """
 import sys
-from async_rl import rundir, storage
+from async_rl.store import rundir
+from async_rl.store import storage
 from async_rl.state.checkpoint import Checkpointer
 run = storage.run_path(sys.argv[1])
 lock = rundir.run_lock(run, 0, lease_s=2)
@@ -324,7 +325,9 @@ def test_the_commit_record_is_written_only_while_the_lease_holds(bucket):
 
 STUCK = """
 import os, sys, threading, time
-from async_rl import remote_io, signals, storage
+from async_rl import signals
+from async_rl.store import remote_io
+from async_rl.store import storage
 signals.install()
 remote_io.configure(300)
 remote_io.watch_stop("s3://b1/run", lambda m: print(m, file=sys.stderr, flush=True))
