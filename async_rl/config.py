@@ -10,8 +10,6 @@ means (a resume may not change them). Does not own: checks that need devices
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import types
 import typing
@@ -36,6 +34,25 @@ def _check(cond: bool, key: str, value: Any, why: str) -> None:
 def _one_of(key: str, value: Any, choices: tuple) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
 
+def load_callable(what: str, spec: str):
+    """The callable a `module:attr.path` config value names (`what` is the `key=value` the error
+    names); each way it can be wrong is one ConfigError."""
+    import importlib
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"{what}: cannot import module {mod_name!r} ({' '.join(str(e).split())})") from None
+    fn = mod
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"{what}: module {mod_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"{what}: {attr!r} in {mod_name!r} is not callable")
+    return fn
+
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -58,7 +75,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | jsonl | parquet
-    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences)
+    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences) | lookup (needs a tool)
     path: str = ""  # prompt file for jsonl/parquet sources
     num_records: int = 2048  # records per epoch (synthetic); 0 = the whole file
     shuffle: bool = True  # reshuffle the records every epoch
@@ -73,13 +90,13 @@ class DataConfig:
 
     @property
     def char_vocab(self) -> bool:
-        """The digit tasks speak the synthetic character vocabulary; word problems are text."""
-        return self.source == "synthetic" and self.task != "word_problem"
+        """The digit tasks speak the synthetic character vocabulary; word problems and lookups are text."""
+        return self.source == "synthetic" and self.task not in ("word_problem", "lookup")
 
     def __post_init__(self):
         _one_of("data.source", self.source, ("synthetic", "jsonl", "parquet"))
         if self.source == "synthetic":
-            _one_of("data.task", self.task, ("reverse", "addition", "word_problem"))
+            _one_of("data.task", self.task, ("reverse", "addition", "word_problem", "lookup"))
             _check(self.num_records > 0, "data.num_records", self.num_records, "must be > 0")
         else:
             _check(bool(self.path), "data.path", self.path, f"required for data.source={self.source}")
@@ -128,6 +145,13 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_embeddings: bool = True  # output projection shares the embedding matrix
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2-style)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    gemma: bool = False  # Gemma 3 block: norms scale by 1 + w, post-attention/MLP norms, GeGLU (gelu tanh), embeddings x sqrt(d_model)
+    sliding_window: int = 0  # local layers: a query sees the keys less than this many tokens back; 0 = all layers global
+    global_every: int = 0  # with sliding_window: every n-th layer (n-1, 2n-1, ...) is global, the rest local
+    rope_local_theta: float = 0.0  # RoPE base of local (sliding-window) layers, unscaled; 0 = rope_theta
+    query_pre_attn_scalar: float = 0.0  # attention scores are q.k / sqrt(this); 0 = head_dim
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = off
     learned_positions: int = 0  # learned absolute position table over columns (>= P + N); 0 = RoPE only
     dtype: str = "float32"  # activation/compute dtype
     param_dtype: str = "float32"  # parameter storage dtype
@@ -156,6 +180,34 @@ class ModelConfig:
                    self.rope_original_max_positions, "must be > 0")
         for k in ("dtype", "param_dtype"):
             _one_of(f"model.{k}", getattr(self, k), ("float32", "bfloat16", "float16"))
+        self._check_family()
+
+    def _check_family(self):
+        """Refuses feature mixes no model family has (one line each): the fields select
+        Llama, Qwen2 (qkv_bias), Qwen3 (qk_norm) or Gemma 3 (gemma + qk_norm)."""
+        for k in ("sliding_window", "global_every"):
+            _check(getattr(self, k) >= 0, f"model.{k}", getattr(self, k), "must be >= 0")
+        for k in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcap"):
+            _check(getattr(self, k) >= 0, f"model.{k}", getattr(self, k), "must be >= 0")
+        _check(not (self.qkv_bias and self.qk_norm), "model.qk_norm", self.qk_norm,
+               "cannot be combined with model.qkv_bias (no model family has both)")
+        _check(not self.gemma or self.qk_norm, "model.qk_norm", self.qk_norm, "must be true with model.gemma (Gemma 3)")
+        gemma_only = ("sliding_window", "global_every", "rope_local_theta", "query_pre_attn_scalar",
+                      "final_logit_softcap")
+        for k in gemma_only:
+            _check(self.gemma or not getattr(self, k), f"model.{k}", getattr(self, k),
+                   "needs model.gemma=true (only Gemma 3 has it here)")
+        _check(bool(self.sliding_window) == bool(self.global_every), "model.global_every", self.global_every,
+               f"must be set together with model.sliding_window ({self.sliding_window})")
+        _check(not self.rope_local_theta or self.sliding_window, "model.rope_local_theta", self.rope_local_theta,
+               "needs model.sliding_window (it is the local layers' base)")
+        _check(not (self.gemma and self.learned_positions), "model.learned_positions", self.learned_positions,
+               "must be 0 with model.gemma")
+
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where attention is sliding-window (local)."""
+        every = self.global_every
+        return tuple(bool(every) and (i + 1) % every != 0 for i in range(self.n_layers))
 
     @property
     def resolved_head_dim(self) -> int:
@@ -203,6 +255,11 @@ class RolloutConfig:
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
     reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
+    env: str = ""  # multi-turn env: "" = single turn | lookup | mcp | module:factory (docs/envs-and-tools.md)
+    env_max_turns: int = 4  # built-in envs (lookup, mcp): assistant turns per episode
+    env_max_concurrent: int = 16  # env steps running at once
+    env_timeout_s: float = 60.0  # one env step running longer fails the run, seconds
+    mcp_server: str = ""  # rollout.env=mcp: streamable-HTTP URL (http://...) or stdio command of the server
 
     def __post_init__(self):
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
@@ -210,6 +267,12 @@ class RolloutConfig:
                "must be > 0")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
         _check(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
+        _check(self.env_max_turns > 0, "rollout.env_max_turns", self.env_max_turns, "must be > 0")
+        _check(self.env_max_concurrent > 0, "rollout.env_max_concurrent", self.env_max_concurrent, "must be > 0")
+        _check(self.env_timeout_s > 0, "rollout.env_timeout_s", self.env_timeout_s, "must be > 0")
+        if self.env == "mcp":
+            _check(bool(self.mcp_server.strip()), "rollout.mcp_server", self.mcp_server,
+                   "required for rollout.env=mcp (an http:// URL or a command)")
 
 
 @dataclass(frozen=True)
@@ -441,26 +504,6 @@ class Config:
 
 
 GROUPS = tuple(f.name for f in dataclasses.fields(Config))
-# How a resume treats a field that differs from the checkpoint's config (docs/design.md, "Run
-# directory safety"). Fields listed nowhere are free to change (learning rate, max_steps, logging...).
-# Changing one of these would make a checkpoint's iterator state and ledger mean other prompts.
-DATA_STREAM_FIELDS = (
-    "data.source", "data.task", "data.num_records", "data.seed", "data.shuffle",
-    "data.min_digits", "data.max_digits", "data.prompt_field", "data.answer_field", "data.id_field",
-    "rollout.prompts_per_step", "rollout.samples_per_prompt", "sampler.name",
-)
-# Changing one of these changes the structure of the saved model/optimizer state.
-STATE_FIELDS = (
-    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-    "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
-    "model.param_dtype", "learner.grad_clip",
-)
-# These may grow on resume but not shrink: the saved iterator and ledger may hold what a lower
-# value cannot (epochs already drawn; partial completions longer than the new cap).
-NO_LOWER_FIELDS = {
-    "data.num_epochs": "lowering it would drop epochs the saved iterator and ledger may already hold",
-    "rollout.max_new_tokens": "the saved ledger may hold partial completions longer than the new cap",
-}
 _YAML_ALIASES = {"async": "async_"}  # YAML/override key -> field name (Python keywords)
 _FIELD_ALIASES = {v: k for k, v in _YAML_ALIASES.items()}
 
@@ -620,53 +663,6 @@ def replace(cfg: Config, **groups: dict[str, Any]) -> Config:
 def get(cfg: Config, dotted: str) -> Any:
     group, name = dotted.split(".")
     return getattr(getattr(cfg, group), _YAML_ALIASES.get(name, name))
-
-
-@dataclass(frozen=True)
-class Change:
-    key: str  # group.field
-    saved: Any
-    now: Any
-    kind: str  # free | state | stream | lowered
-
-    def __str__(self) -> str:
-        return f"{self.key}: saved {self.saved!r}, now {self.now!r}"
-
-
-def _state_value(key: str, value: Any) -> Any:
-    # gradient clipping adds a state-free transform, but on/off changes the optimizer tree
-    return bool(value) if key == "learner.grad_clip" else value
-
-
-def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
-    """Every field of `cfg` that differs from a checkpoint's saved config (`to_dict` form),
-    with how a resume treats it. Fields the saved config lacks (older runs) are skipped."""
-    out, now = [], to_dict(cfg)
-    for g, fields_ in now.items():
-        for name, value in fields_.items():
-            key = f"{g}.{name}"
-            if name not in saved.get(g, {}) or saved[g][name] == value:
-                continue
-            old = saved[g][name]
-            if key in DATA_STREAM_FIELDS:
-                kind = "stream"
-            elif key in NO_LOWER_FIELDS and value < old:
-                kind = "lowered"
-            elif key in STATE_FIELDS and _state_value(key, old) != _state_value(key, value):
-                kind = "state"
-            else:
-                kind = "free"
-            out.append(Change(key, old, value, kind))
-    return out
-
-
-def data_stream(cfg: Config) -> dict[str, Any]:
-    """The fields that define which prompts the stream yields, in which order and grouping."""
-    return {k: get(cfg, k) for k in DATA_STREAM_FIELDS}
-
-
-def fingerprint(d: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def field_docs() -> dict[str, list[tuple[str, str, str]]]:

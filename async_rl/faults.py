@@ -18,72 +18,104 @@ call is a dictionary lookup.
 at `generate` (after each engine generate call, per decode step in it: seconds a token),
 `step` (after each learner step) and `exit` (the CLI's command has returned, the process is
 about to exit; it prints a line first).
+
+`ASYNC_RL_FAULT_COMMIT` (`module:Class`) names the temporary-path class Orbax commits a local
+step with while `ASYNC_RL_FAULT` has enospc points (the tests' stand-in for a full disk at the
+commit, `tests/faulty_commit.py`). Every variable is read when a point is reached, not at import:
+a changed environment takes effect at the next call.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
+import importlib
 import os
 import signal
 import sys
 import time
 
-_SPEC = os.environ.get("ASYNC_RL_KILL_AT", "")
-_POINTS = {tuple(p.split(":", 1)) for p in _SPEC.split(",") if ":" in p}
+from .errors import UsageError
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(kill_at: str, fault: str, delay: str) -> tuple:
+    """(kill points, enospc points, fail points, waits, delays) of the variables' values."""
+    points = {tuple(p.split(":", 1)) for p in kill_at.split(",") if ":" in p}
+    parts = [p for p in fault.split(",") if p.count(":") == 2]
+    # enospc:<where>:<step>: an OSError(ENOSPC) raised inside the save of that step, where =
+    # ledger (the ledger writer) | commit (Orbax's commit of the step)
+    enospc = {tuple(p.split(":")[1:3]) for p in parts if p.startswith("enospc:")}
+    # fail:<where>:<n>: a RuntimeError raised at the n-th call of that point in this process,
+    # where = reward (inside the reward function's call: the reward thread fails)
+    fail = {tuple(p.split(":")[1:3]) for p in parts if p.startswith("fail:")}
+    # wait:<what>:<seconds>: a shorter bound on a wait, where what = pump_stop (how long
+    # stopping the run waits for the pump thread to leave a compile or device call)
+    waits = {p.split(":")[1]: float(p.split(":")[2]) for p in parts if p.startswith("wait:")}
+    delays = {k: float(v) for k, v in (p.split(":", 1) for p in delay.split(",") if ":" in p)}
+    return points, enospc, fail, waits, delays
+
+
+def _spec() -> tuple:
+    env = os.environ
+    return _parse(env.get("ASYNC_RL_KILL_AT", ""), env.get("ASYNC_RL_FAULT", ""), env.get("ASYNC_RL_DELAY", ""))
 
 
 def point(name: str, step: int, detail=None) -> None:
-    if _POINTS and (name, str(step)) in _POINTS:
+    points = _spec()[0]
+    if points and (name, str(step)) in points:
         if detail is not None:
             print(f"fault: SIGKILL at {name}:{step} {detail()}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ASYNC_RL_FAULT=enospc:<where>:<step>[,...]: an OSError(ENOSPC) raised inside the save of
-# that step, where = ledger (the ledger writer) | commit (Orbax's commit of the step).
-_ENOSPC = {tuple(p.split(":")[1:3]) for p in os.environ.get("ASYNC_RL_FAULT", "").split(",")
-           if p.startswith("enospc:") and p.count(":") == 2}
-
-
-# ASYNC_RL_FAULT=fail:<where>:<n>: a RuntimeError raised at the n-th call of that point in this
-# process, where = reward (inside the reward function's call: the reward thread fails).
-_FAIL = {tuple(p.split(":")[1:3]) for p in os.environ.get("ASYNC_RL_FAULT", "").split(",")
-         if p.startswith("fail:") and p.count(":") == 2}
 _calls: dict[str, int] = {}
 
 
 def fail(where: str) -> None:
-    if _FAIL:
+    failing = _spec()[2]
+    if failing:
         _calls[where] = n = _calls.get(where, 0) + 1
-        if (where, str(n)) in _FAIL:
+        if (where, str(n)) in failing:
             raise RuntimeError(f"injected failure ({where} call {n})")
 
 
-# ASYNC_RL_FAULT=wait:<what>:<seconds>: a shorter bound on a wait, where what = pump_stop (how
-# long stopping the run waits for the pump thread to leave a compile or device call).
-_WAITS = {p.split(":")[1]: float(p.split(":")[2]) for p in os.environ.get("ASYNC_RL_FAULT", "").split(",")
-          if p.startswith("wait:") and p.count(":") == 2}
-
-
 def wait_s(what: str, default: float) -> float:
-    return _WAITS.get(what, default)
+    return _spec()[3].get(what, default)
 
 
 def enospc_points() -> bool:
-    return bool(_ENOSPC)
+    return bool(_spec()[1])
 
 
 def raise_enospc(where: str, step: int) -> None:
-    if _ENOSPC and (where, str(step)) in _ENOSPC:
+    enospc = _spec()[1]
+    if enospc and (where, str(step)) in enospc:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected: {where} of step {step})")
 
 
-_DELAYS = {k: float(v) for k, v in (p.split(":", 1) for p in os.environ.get("ASYNC_RL_DELAY", "").split(",")
-                                    if ":" in p)}
+def commit_class() -> type | None:
+    """The temporary-path class `ASYNC_RL_FAULT_COMMIT` names for a local step's commit while
+    enospc points are set, or None (Orbax's own)."""
+    enospc = _spec()[1]
+    if not enospc:
+        return None
+    name = os.environ.get("ASYNC_RL_FAULT_COMMIT", "")
+    if not name:
+        if any(where == "commit" for where, _ in enospc):
+            raise UsageError("ASYNC_RL_FAULT=enospc:commit:<step> needs ASYNC_RL_FAULT_COMMIT=<module>:<class>, "
+                             "the commit that raises it")
+        return None
+    module, _, cls = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"ASYNC_RL_FAULT_COMMIT={name!r}: cannot be loaded ({e})") from None
 
 
 def delay(name: str, times: int = 1) -> None:
-    if _DELAYS and name in _DELAYS:
+    delays = _spec()[4]
+    if delays and name in delays:
         if name == "exit":
-            print(f"fault: delay at exit ({_DELAYS[name]:g} s)", file=sys.stderr, flush=True)
-        time.sleep(_DELAYS[name] * times)
+            print(f"fault: delay at exit ({delays[name]:g} s)", file=sys.stderr, flush=True)
+        time.sleep(delays[name] * times)

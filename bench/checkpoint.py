@@ -169,6 +169,7 @@ def part_save(args, scratch: Path) -> None:
     from async_rl.data.tokenizer import build_tokenizer
     from async_rl.learner.step import Learner
     from async_rl.model import sharding
+    from async_rl.state import compat
     from async_rl.state.checkpoint import Checkpointer
 
     cfg = C.load(args.config, [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}",
@@ -195,7 +196,7 @@ def part_save(args, scratch: Path) -> None:
         snap = ledger.capture()
     ledger_bytes = sum(a.nbytes for a in snap.build().arrays.values())
     meta = {"step": 0, "version": 0, "lineage_bytes": 0, "metrics_bytes": 0, "rollouts_bytes": 0,
-            "data_stream": C.data_stream(cfg), "config": C.to_dict(cfg), "next_ordinal": ledger.next_ordinal,
+            "data_stream": compat.data_stream(cfg), "config": C.to_dict(cfg), "next_ordinal": ledger.next_ordinal,
             "exhausted": False, "seed": cfg.run.seed, "time": time.time()}
 
     def run(async_save: bool, busy: bool, name: str):

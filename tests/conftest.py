@@ -13,6 +13,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("ASYNC_RL_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="async_rl_xla_"))
 sys.path.insert(0, str(Path(__file__).parent))
+# tests import shared pieces of other wings' test modules (test_hf's checkpoints, test_crash's
+# helpers): every wing's folder is importable whichever is collected first
+for _wing in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir()
+                    and any(p.glob("test_*.py"))):
+    sys.path.insert(1, str(_wing))
 
 
 @pytest.fixture(scope="session")

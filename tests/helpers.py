@@ -55,6 +55,10 @@ def run_cli(run_dir: Path, *overrides: str, cache: Path | None = None, kill_at: 
             fault: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, ASYNC_RL_KILL_AT=kill_at, ASYNC_RL_DELAY=delay, ASYNC_RL_FAULT=fault,
                PYTHONUNBUFFERED="1")
+    if "enospc:" in fault:  # the commit that fails lives here, in tests/
+        here = str(Path(__file__).parent)
+        env.update(ASYNC_RL_FAULT_COMMIT="faulty_commit:FaultyCommit",
+                   PYTHONPATH=os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p))
     return subprocess.run(cli_args(run_dir, *overrides, cache=cache), capture_output=True, text=True,
                           timeout=timeout, env=env)
 

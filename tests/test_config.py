@@ -37,6 +37,11 @@ def test_optional_field_accepts_none():
     ("model.n_kv_heads=3", "model.n_kv_heads"),
     ("mesh.fsdp=0", "mesh.fsdp"),
     ("engine.steps_per_call=1000000000", "engine.steps_per_call=1000000000: must be <= engine.max_prompt_len"),
+    ("rollout.env_timeout_s=0", "rollout.env_timeout_s=0.0: must be > 0"),
+    ("rollout.env_max_concurrent=0", "rollout.env_max_concurrent=0: must be > 0"),
+    ("rollout.env_max_turns=0", "rollout.env_max_turns=0: must be > 0"),
+    ("rollout.env=mcp", "rollout.mcp_server='': required for rollout.env=mcp"),
+    ("data.task=lookups", "data.task='lookups': must be one of reverse, addition, word_problem, lookup"),
 ])
 def test_bad_override_names_the_key(override, needle):
     with pytest.raises(C.ConfigError, match=needle.replace(".", r"\.")):

@@ -8,7 +8,7 @@ import async_rl
 from async_rl.errors import RunFailure, UsageError
 
 # control flow inside the package, never shown to a user
-INTERNAL = {"Stopped", "Conflict", "GaveUp", "Damaged", "_Interrupt", "_TooLarge"}
+INTERNAL = {"Stopped", "Conflict", "GaveUp", "Damaged", "_Interrupt", "_TooLarge", "_ConnectCancelled"}
 
 
 def test_every_error_class_has_a_kind():

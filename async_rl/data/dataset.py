@@ -29,7 +29,7 @@ import grain
 import numpy as np
 
 from async_rl.config import Config, ConfigError
-from async_rl.data import word_problems
+from async_rl.data import tool_tasks, word_problems
 from async_rl.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class PromptDataset:
 
 # --- synthetic tasks -------------------------------------------------------------------
 
-_TASK_SALT = {"reverse": 1, "addition": 2, "word_problem": 3}
+_TASK_SALT = {"reverse": 1, "addition": 2, "word_problem": 3, "lookup": 4}
 
 
 def _digits(rng: np.random.Generator, n: int, leading_zero: bool) -> str:
@@ -243,6 +243,9 @@ def synthetic_record(task: str, seed: int, prompt_id: int, min_digits: int, max_
     if task == "word_problem":
         prompt, answer = word_problems.record(rng, min_digits, max_digits)
         return {"prompt_id": prompt_id, "prompt": prompt, "answer": answer}
+    if task == "lookup":  # the answer is in a table only rollout.env=lookup's tool reads
+        prompt, answer = tool_tasks.record(rng, seed, min_digits, max_digits)
+        return {"prompt_id": prompt_id, "prompt": prompt, "answer": answer}
     a = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=False)
     b = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=False)
     return {"prompt_id": prompt_id, "prompt": f"{a}+{b}=", "answer": str(int(a) + int(b))}
@@ -251,6 +254,8 @@ def synthetic_record(task: str, seed: int, prompt_id: int, min_digits: int, max_
 def _longest_synthetic_prompt(task: str, max_digits: int) -> list[str]:
     if task == "word_problem":
         return word_problems.longest_prompts(max_digits)
+    if task == "lookup":
+        return tool_tasks.longest_prompts(max_digits)
     return ["9" * max_digits + ("=" if task == "reverse" else "+" + "9" * max_digits + "=")]
 
 

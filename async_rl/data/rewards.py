@@ -9,7 +9,6 @@ extraction and normalisation for math answers. Does not own: decoding tokens to 
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import numbers
 import re
@@ -18,12 +17,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from async_rl.config import ConfigError
+from async_rl.config import ConfigError, load_callable
 
 RewardFn = Callable[[str, str], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
-_TASK_REWARDS = {"reverse": "reverse", "addition": "addition", "word_problem": "math_answer"}
+_TASK_REWARDS = {"reverse": "reverse", "addition": "addition", "word_problem": "math_answer", "lookup": "exact_match"}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -198,18 +197,7 @@ def get_reward(name: str) -> RewardFn:
     if ":" not in name:
         raise ConfigError(f"rollout.reward={name!r}: unknown reward (registered: "
                           f"{', '.join(registered())}; or give module:function)")
-    mod_name, _, fn_name = name.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"rollout.reward={name!r}: cannot import module {mod_name!r} ({e})") from None
-    fn = mod
-    for part in fn_name.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ConfigError(f"rollout.reward={name!r}: module {mod_name!r} has no attribute {fn_name!r}")
-    if not callable(fn):
-        raise ConfigError(f"rollout.reward={name!r}: {fn_name!r} in {mod_name!r} is not callable")
+    fn = load_callable(f"rollout.reward={name!r}", name)
     return _checked(name, fn)
 
 

@@ -5,7 +5,8 @@ prefill) call, their numerics contract and `resolve`, which turns `model.attenti
 into one concrete kernel for a platform and mesh. Does not own: projections, RoPE or the
 KV cache (`model`); the decode step's one-query attention is the plain masked path here.
 
-Contract (every kernel): query column i sees key column j iff j <= i and valid[j]; scores
+Contract (every kernel): query column i sees key column j iff j <= i and valid[j] (and,
+with a sliding `window` W > 0, i - j < W: Gemma 3's local layers, HF's convention); scores
 are q.k / sqrt(hd) accumulated in fp32 and softmaxed in fp32. A query that sees no key
 (a pad column) gets some finite output, never NaN; those outputs are never read, because
 pad columns are masked as keys and their logits are not used.
@@ -127,35 +128,38 @@ def one_query(q_Bx1xHxD, k_BxGxKxD, v_BxGxKxD, mask_BxK, k_self_BxGxD, v_self_Bx
     return out.astype(v_BxGxKxD.dtype).reshape(b, 1, h * d)
 
 
-def causal_mask(valid_BxT):
+def causal_mask(valid_BxT, window: int = 0):
     t = valid_BxT.shape[1]
-    return jnp.tril(jnp.ones((t, t), bool))[None] & valid_BxT[:, None, :]
+    i, j = np.arange(t)[:, None], np.arange(t)[None]
+    visible = (j <= i) & ((i - j < window) if window else True)
+    return jnp.asarray(visible)[None] & valid_BxT[:, None, :]
 
 
-def self_attention(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, spec: Spec):
-    """Causal attention of a row's columns to its valid columns: [B, T, H * hd]."""
+def self_attention(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, spec: Spec, window: int = 0):
+    """Causal attention of a row's columns to its valid columns: [B, T, H * hd]. `window`
+    (static, 0 = none): each query sees only keys less than `window` columns back."""
     impl = spec.impl
     if impl == "blockwise" and q_BxTxHxD.shape[1] <= BLOCK:
         impl = "xla"
     if impl == "xla":
-        return masked(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, causal_mask(valid_BxT))
+        return masked(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, causal_mask(valid_BxT, window))
     if impl == "blockwise":
-        return _blockwise(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT)
+        return _blockwise(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, window)
     if impl == "cudnn":
         try:
-            return _cudnn(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT)
+            return _cudnn(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, window)
         except (ValueError, NotImplementedError, RuntimeError):
             if spec.strict:
                 raise
-            return _blockwise(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT)
+            return _blockwise(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, window)
     if impl == "splash":
-        return _splash(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, spec)
+        return _splash(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, spec, window)
     raise ValueError(f"unknown attention kernel {impl!r}")
 
 
 # ---- blockwise (plain XLA FlashAttention-2) ---------------------------------------------
 
-def _blockwise(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT):
+def _blockwise(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, window: int = 0):
     b, t, h, d = q_BxTxHxD.shape
     g = k_BxTxGxD.shape[2]
     pad = (-t) % BLOCK
@@ -166,7 +170,7 @@ def _blockwise(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT):
     q = q_BxTxHxD.reshape(b, tp, g, h // g, d).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, D]
     k = k_BxTxGxD.transpose(0, 2, 1, 3)  # [B, G, T, D]
     v = v_BxTxGxD.transpose(0, 2, 1, 3)
-    out = _flash(q, k, v, valid_BxT)  # [B, G, R, T, D]
+    out = _flash(q, k, v, valid_BxT, window)  # [B, G, R, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, tp, h * d)[:, :t]
 
 
@@ -177,21 +181,35 @@ def _blocks(x, axis):
     return jnp.moveaxis(x, axis, 0)
 
 
-def _scores(q_i, k_j, valid_j, i, j, scale):
+def _scores(q_i, k_j, valid_j, i, j, scale, window: int = 0):
     """Masked fp32 scores of query block i against key block j: [B, G, R, bq, bk]."""
     s = jnp.einsum("bgrqd,bgkd->bgrqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
     qpos = i * BLOCK + jnp.arange(BLOCK)
     kpos = j * BLOCK + jnp.arange(BLOCK)
-    ok = (kpos[None, :] <= qpos[:, None])[None, None, None] & valid_j[:, None, None, None, :]
+    ok = kpos[None, :] <= qpos[:, None]
+    if window:
+        ok = ok & (qpos[:, None] - kpos[None, :] < window)
+    ok = ok[None, None, None] & valid_j[:, None, None, None, :]
     return jnp.where(ok, s, MASK_VALUE)
 
 
-@jax.custom_vjp
-def _flash(q, k, v, valid):
-    return _flash_fwd(q, k, v, valid)[0]
+def _first_key_block(i, window: int):
+    """The first key block query block i can see: 0, or with a window the block holding
+    column i * BLOCK - window + 1 (blocks further left are all masked)."""
+    return 0 if not window else jnp.maximum(0, (i * BLOCK - window + 1) // BLOCK)
 
 
-def _flash_fwd(q, k, v, valid):
+def _last_query_block(j, n: int, window: int):
+    """One past the last query block that can see key block j (n without a window)."""
+    return n if not window else jnp.minimum(n, ((j + 1) * BLOCK + window - 2) // BLOCK + 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, valid, window):
+    return _flash_fwd(q, k, v, valid, window)[0]
+
+
+def _flash_fwd(q, k, v, valid, window):
     scale = 1.0 / math.sqrt(q.shape[-1])
     qb, kb, vb, validb = _blocks(q, 3), _blocks(k, 2), _blocks(v, 2), _blocks(valid, 1)
 
@@ -200,7 +218,7 @@ def _flash_fwd(q, k, v, valid):
 
         def step(j, carry):
             m, l, acc = carry
-            s = _scores(q_i, kb[j], validb[j], i, j, scale)
+            s = _scores(q_i, kb[j], validb[j], i, j, scale, window)
             m_new = jnp.maximum(m, s.max(-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
@@ -210,7 +228,8 @@ def _flash_fwd(q, k, v, valid):
         shape = q_i.shape[:-1]
         init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(q_i.shape, jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, i + 1, step, init)  # blocks above the diagonal are all masked
+        # blocks above the diagonal (and left of the window) are all masked
+        m, l, acc = jax.lax.fori_loop(_first_key_block(i, window), i + 1, step, init)
         return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
     out_b, lse_b = jax.lax.map(one_query_block, (jnp.arange(qb.shape[0]), qb))
@@ -219,7 +238,7 @@ def _flash_fwd(q, k, v, valid):
     return out, (q, k, v, valid, out, lse)
 
 
-def _flash_bwd(res, d_out):
+def _flash_bwd(window, res, d_out):
     q, k, v, valid, out, lse = res
     scale = 1.0 / math.sqrt(q.shape[-1])
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # [B, G, R, T]
@@ -232,7 +251,7 @@ def _flash_bwd(res, d_out):
 
         def step(i, carry):
             dk, dv, dq = carry
-            s = _scores(qb[i], k_j, valid_j, i, j, scale)
+            s = _scores(qb[i], k_j, valid_j, i, j, scale, window)
             p = jnp.exp(s - lseb[i][..., None])
             dv = dv + jnp.einsum("bgrqk,bgrqd->bgkd", p.astype(v.dtype), dob[i], preferred_element_type=jnp.float32)
             dp = jnp.einsum("bgrqd,bgkd->bgrqk", dob[i], v_j, preferred_element_type=jnp.float32)
@@ -242,7 +261,8 @@ def _flash_bwd(res, d_out):
             return dk, dv, dq.at[i].add(dq_i)
 
         zeros = jnp.zeros(k_j.shape, jnp.float32)
-        dk, dv, dq = jax.lax.fori_loop(j, n, step, (zeros, zeros, dq))  # queries at or below the diagonal
+        # queries at or below the diagonal (and within the window)
+        dk, dv, dq = jax.lax.fori_loop(j, _last_query_block(j, n, window), step, (zeros, zeros, dq))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)
@@ -256,7 +276,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ---- cuDNN (GPU) -------------------------------------------------------------------------
 
-def _cudnn(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT):
+def _cudnn(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, window: int = 0):
     t = q_BxTxHxD.shape[1]
     start_B = jnp.argmax(valid_BxT, axis=1).astype(jnp.int32)
     length_B = valid_BxT.sum(axis=1).astype(jnp.int32)
@@ -268,7 +288,7 @@ def _cudnn(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT):
     out = jax.nn.dot_product_attention(
         take(q_BxTxHxD, fwd_idx), take(k_BxTxGxD, fwd_idx), take(v_BxTxGxD, fwd_idx), is_causal=True,
         query_seq_lengths=jnp.maximum(length_B, 1), key_value_seq_lengths=jnp.maximum(length_B, 1),
-        implementation="cudnn")
+        local_window_size=(window - 1, 0) if window else None, implementation="cudnn")
     out = jnp.where(valid_BxT[:, :, None, None], take(out, back_idx), 0)
     b, _, h, d = q_BxTxHxD.shape
     return out.reshape(b, t, h * d)
@@ -277,23 +297,24 @@ def _cudnn(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT):
 # ---- splash (TPU) ------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(heads: int, t: int, interpret: bool):
+def _splash_kernel(heads: int, t: int, interpret: bool, window: int = 0):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     blk = next(b for b in (512, 256, 128) if t % b == 0)
     sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
                           block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
-    mask = sm.MultiHeadMask([sm.CausalMask((t, t))] * heads)
+    one = sm.LocalMask((t, t), window_size=(window - 1, 0), offset=0) if window else sm.CausalMask((t, t))
+    mask = sm.MultiHeadMask([one] * heads)
     return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret), sk
 
 
-def _splash_local(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, interpret: bool = False):
+def _splash_local(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, interpret: bool = False, window: int = 0):
     b, t, h, d = q_BxTxHxD.shape
     pad = (-t) % 128  # kernel blocks are multiples of 128 columns; extra columns are pad
     if pad:
         widen = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT = map(widen, (q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT))
-    kernel, sk = _splash_kernel(h, t + pad, interpret)
+    kernel, sk = _splash_kernel(h, t + pad, interpret, window)
     q = (q_BxTxHxD * (1.0 / math.sqrt(d))).astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3)
     k, v = k_BxTxGxD.transpose(0, 2, 1, 3), v_BxTxGxD.transpose(0, 2, 1, 3)
     seg = valid_BxT.astype(jnp.int32)
@@ -301,11 +322,12 @@ def _splash_local(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, interpret: bool = 
     return out.transpose(0, 2, 1, 3)[:, :t].reshape(b, t, h * d)
 
 
-def _splash(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, spec: Spec):
+def _splash(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, spec: Spec, window: int = 0):
     from jax.sharding import PartitionSpec as P
     mesh = spec.mesh
+    local = functools.partial(_splash_local, window=window)
     if mesh is None:  # one device: no partitioning to do
-        return _splash_local(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT)
+        return local(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT)
     b, h, g = q_BxTxHxD.shape[0], q_BxTxHxD.shape[2], k_BxTxGxD.shape[2]
     nb = int(np.prod([mesh.shape[a] for a in spec.batch_axes])) if spec.batch_axes else 1
     batch = spec.batch_axes if spec.batch_axes and b % nb == 0 else None
@@ -313,6 +335,6 @@ def _splash(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT, spec: Spec):
     head = spec.head_axis if ht > 1 and h % ht == 0 and g % ht == 0 else None
     qkv = P(batch, None, head, None)
     # A Mosaic kernel cannot be partitioned by XLA: each device runs it on its own shard.
-    f = jax.shard_map(_splash_local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(batch, None)),
+    f = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(batch, None)),
                       out_specs=P(batch, None, head), check_vma=False)
     return f(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, valid_BxT)

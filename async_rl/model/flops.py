@@ -72,6 +72,16 @@ def passes(cfg: C.Config) -> tuple[int, int]:
     return lc.ppo_epochs, fwd_only
 
 
+def attended_pairs(m: C.ModelConfig, T: int, causal: bool = True) -> float:
+    """(query, key) pairs one row's attention computes, summed over layers: T^2/2 per causal
+    layer (T^2 as the full square), and W*T - W^2/2 per sliding-window layer of window W
+    when causal (masked-square kernels compute the full square whatever the window)."""
+    full = T * T * (0.5 if causal else 1.0)
+    n_local = sum(m.local_layers()) if causal else 0
+    w = min(m.sliding_window, T)
+    return (m.n_layers - n_local) * full + n_local * (w * T - w * w / 2)
+
+
 def step_flops(cfg: C.Config, vocab: int, causal: bool = True) -> dict[str, float]:
     """Model FLOPs of one learner step by part (trunk, head, attention), every pass included;
     `causal`: attention over the causal triangle (False: the full square, as plain XLA
@@ -82,7 +92,7 @@ def step_flops(cfg: C.Config, vocab: int, causal: bool = True) -> dict[str, floa
     T = cfg.engine.max_prompt_len + N
     per_pass = {"trunk": 2.0 * param_counts(m, vocab).matmul * rows * T,
                 "head": 2.0 * m.d_model * vocab * rows * N,
-                "attention": 4.0 * m.n_layers * m.n_heads * m.resolved_head_dim * T * T * rows * (0.5 if causal else 1)}
+                "attention": 4.0 * m.n_heads * m.resolved_head_dim * rows * attended_pairs(m, T, causal)}
     fb, fwd = passes(cfg)
     return {k: (3 * fb + fwd) * v for k, v in per_pass.items()}
 
@@ -94,6 +104,6 @@ def kernel_flops(cfg: C.Config, backward: int = 7) -> float:
     m, lc = cfg.model, cfg.learner
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     T = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
-    unit = m.n_heads * m.resolved_head_dim * T * T * rows * m.n_layers
+    unit = 2 * m.n_heads * m.resolved_head_dim * rows * attended_pairs(m, T)
     fb, fwd = passes(cfg)
     return unit * (fb * (2 + backward + 2 * (lc.remat != "none")) + 2 * fwd)

@@ -1,7 +1,8 @@
 """Hugging Face-format causal LMs in and out: config.json + safetensors <-> our NNX params.
 
-Owns: HF `config.json` -> `ModelConfig` fields (Llama and Qwen2 families: GQA, qkv bias,
-tied or untied embeddings, rope theta, linear/llama3 rope scaling), `resolve(cfg)`, the
+Owns: HF `config.json` -> `ModelConfig` fields (Llama, Qwen2, Qwen3 and Gemma 3 text
+families: GQA, qkv bias, q/k norm, Gemma's block and sliding-window layers, tied or
+untied embeddings, rope theta, linear/llama3 rope scaling), `resolve(cfg)`, the
 name and layout mapping between HF tensors and our parameter paths, loading a checkpoint
 (one file, several, or with `model.safetensors.index.json`) straight into target
 shardings, and writing params back as an HF directory. Does not own: the network
@@ -42,7 +43,13 @@ class HFError(ConfigError):
     """An HF checkpoint that cannot be used as given; names the file and tensor."""
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+# Gemma3TextConfig's defaults: a multimodal gemma3 config.json's text_config often omits them.
+_GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                        rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=256, sliding_window=4096,
+                        sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -67,8 +74,10 @@ def read_config(path: str | Path) -> dict:
 
 
 def _rope_fields(hc: dict, where: Path) -> dict:
-    # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters.
+    # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters (Gemma 3:
+    # one entry per layer type, of which the global layers' is the scaled one).
     params = hc.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
     scaling = hc.get("rope_scaling") or params
     theta = hc.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -89,6 +98,40 @@ def _rope_fields(hc: dict, where: Path) -> dict:
     return out
 
 
+def _gemma3_text(hc: dict, where: Path) -> dict:
+    """The text model's config: Gemma3TextConfig's defaults under the file's own fields (a
+    multimodal gemma3 file nests them in text_config)."""
+    text = hc.get("text_config") if hc.get("model_type") == "gemma3" else hc
+    if not isinstance(text, dict):
+        raise HFError(f"{where}: model_type 'gemma3' without a text_config object")
+    return {**_GEMMA3_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+
+
+def _global_every(hc: dict, where: Path) -> int:
+    """Gemma 3's period of global layers, from layer_types (newer files) or sliding_window_pattern."""
+    types, n = hc.get("layer_types"), int(hc["num_hidden_layers"])
+    if not types:
+        return int(hc["sliding_window_pattern"])
+    every = next((i + 1 for i, t in enumerate(types) if t == "full_attention"), n + 1)
+    want = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if list(types) != want:
+        raise HFError(f"{where}: layer_types is not every n-th layer global, which is all async_rl models")
+    return every
+
+
+def _unsupported(hc: dict, mt: str) -> dict:
+    """Variants our network does not compute: refused rather than loaded to silently differ."""
+    gemma = mt.startswith("gemma3")
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    return {act_key: hc.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+            != ("gelu_pytorch_tanh" if gemma else "silu"),
+            "attention_bias": mt != "qwen2" and bool(hc.get("attention_bias")),
+            "mlp_bias": bool(hc.get("mlp_bias")),
+            "use_sliding_window": bool(hc.get("use_sliding_window")),
+            "attn_logit_softcapping": hc.get("attn_logit_softcapping") is not None,
+            "use_bidirectional_attention": bool(hc.get("use_bidirectional_attention"))}
+
+
 def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
     """`base` with every architecture field taken from `path/config.json`; dtypes stay the base's."""
     hc = read_config(path)
@@ -99,12 +142,10 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
         raise HFError(f"{where}: model_type={mt!r} is not supported (supported: {supported})")
     if any(a != ARCHITECTURES[mt] for a in archs):
         raise HFError(f"{where}: architectures={archs} is not supported (supported: {supported})")
-    # Variants our network does not compute: refuse rather than load and silently differ.
-    unsupported = {"hidden_act": hc.get("hidden_act", "silu") != "silu",
-                   "attention_bias": mt == "llama" and bool(hc.get("attention_bias")),
-                   "mlp_bias": bool(hc.get("mlp_bias")),
-                   "use_sliding_window": bool(hc.get("use_sliding_window"))}
-    for key, bad in unsupported.items():
+    gemma = mt in ("gemma3", "gemma3_text")
+    if gemma:
+        hc = _gemma3_text(hc, where)
+    for key, bad in _unsupported(hc, mt).items():
         if bad:
             raise HFError(f"{where}: {key}={hc.get(key)!r} is not supported by async_rl's {mt} model")
     try:
@@ -115,7 +156,14 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
                       head_dim=int(hc.get("head_dim") or int(hc["hidden_size"]) // heads),
                       d_ff=int(hc["intermediate_size"]), norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
                       tie_embeddings=bool(hc.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
+                      qk_norm=mt in ("qwen3", "gemma3", "gemma3_text"), gemma=gemma,
                       learned_positions=0, **_rope_fields(hc, where))
+        if gemma:
+            local = (hc.get("rope_parameters") or {}).get("sliding_attention") or {}
+            fields.update(sliding_window=int(hc["sliding_window"]), global_every=_global_every(hc, where),
+                          rope_local_theta=float(local.get("rope_theta", hc["rope_local_base_freq"])),
+                          query_pre_attn_scalar=float(hc["query_pre_attn_scalar"]),
+                          final_logit_softcap=float(hc.get("final_logit_softcapping") or 0.0))
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise HFError(f"{where}: missing or invalid field ({type(e).__name__}: {e})") from None
     for k, v in fields.items():  # JSON's NaN and Infinity parse; a model built on them is NaN throughout
@@ -153,26 +201,43 @@ _NAMES = [
     (r"layers\.attn\.([qkv])\.bias", "model.layers.{i}.self_attn.{0}_proj.bias", False),
     (r"layers\.mlp\.(gate|up|down)\.kernel", "model.layers.{i}.mlp.{0}_proj.weight", True),
 ]
-# Tensors a checkpoint may carry that no parameter needs (old rotary caches, a tied head).
-_IGNORABLE = re.compile(r"(.*\.rotary_emb\.inv_freq|lm_head\.weight)$")
+_QK_NORM = (r"layers\.attn\.([qk])_norm\.scale", "model.layers.{i}.self_attn.{0}_norm.weight", False)
+# Gemma 3 has four norms per block: its post_attention_layernorm is the attention output's
+# norm, and the MLP's input norm is pre_feedforward_layernorm.
+_GEMMA_NAMES = [
+    (r"layers\.post_attn_norm\.scale", "model.layers.{i}.post_attention_layernorm.weight", False),
+    (r"layers\.mlp_norm\.scale", "model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    (r"layers\.post_mlp_norm\.scale", "model.layers.{i}.post_feedforward_layernorm.weight", False),
+]
+# Tensors a checkpoint may carry that no parameter needs (old rotary caches, a tied head,
+# a multimodal Gemma 3's vision tower and projector).
+_IGNORABLE = re.compile(r"(.*\.rotary_emb\.inv_freq|lm_head\.weight|(model\.)?(vision_tower|multi_modal_projector)\..*)$")
+# A multimodal Gemma 3 keeps its text model under one of these (transformers < 4.52, >= 4.52)
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
 
 
-def hf_name(ours: str) -> tuple[str, bool]:
+def is_gemma(named_paths) -> bool:
+    """Whether a parameter tree (its dotted paths) is a Gemma 3 model's (post-branch norms)."""
+    return any(p.endswith("post_attn_norm.scale") for p in named_paths)
+
+
+def hf_name(ours: str, gemma: bool = False) -> tuple[str, bool]:
     """(HF tensor name, transposed) for our dotted parameter path; a stacked block
-    parameter's name keeps an `{i}` for the layer index."""
+    parameter's name keeps an `{i}` for the layer index. `gemma`: the model is Gemma 3."""
     m = re.fullmatch(r"layers\.(\d+)\.(.*)", ours)
     path, layer = (f"layers.{m.group(2)}", m.group(1)) if m else (ours, None)
-    for pat, tmpl, transposed in _NAMES:
+    for pat, tmpl, transposed in (_GEMMA_NAMES if gemma else []) + [_QK_NORM] + _NAMES:
         mm = re.fullmatch(pat, path)
         if mm:
             name = tmpl.format(*mm.groups(), i="{i}" if layer is None else layer)
             return name, transposed
-    raise HFError(f"parameter {ours!r} has no Hugging Face Llama/Qwen2 equivalent")
+    raise HFError(f"parameter {ours!r} has no Hugging Face Llama/Qwen/Gemma equivalent")
 
 
-def hf_tensors(ours: str, shape: tuple) -> list[tuple[str, str, int | None, bool]]:
+def hf_tensors(ours: str, shape: tuple, gemma: bool = False) -> list[tuple[str, str, int | None, bool]]:
     """[(HF name, our name for messages, layer index into our leading axis or None, transposed)]."""
-    name, transposed = hf_name(ours)
+    name, transposed = hf_name(ours, gemma)
     if "{i}" not in name:
         return [(name, ours, None, transposed)]
     return [(name.format(i=i), f"{ours}[{i}]", i, transposed) for i in range(shape[0])]
@@ -243,6 +308,8 @@ class _Checkpoint:
         for name, fname in (wmap or {}).items():
             if name not in self.tensors:
                 raise HFError(f"{self.path / fname}: has no tensor {name!r}, though {idx.name} maps it there")
+        for old, new in _TEXT_PREFIXES:  # a multimodal checkpoint's text model, under its usual names
+            self.tensors = {new + n[len(old):] if n.startswith(old) else n: t for n, t in self.tensors.items()}
         self._fds: dict[Path, int] = {}
 
     def get(self, name: str, ours: str, shape: tuple[int, ...]) -> _Tensor:
@@ -328,9 +395,10 @@ def _plan(ckpt: _Checkpoint, named: list[tuple[str, Any]]) -> list[list[tuple[_T
     that lacks a tensor, holds one of another shape or an unsupported dtype, or holds tensors
     no parameter takes."""
     used, plan = set(), []
+    gemma = is_gemma(p for p, _ in named)
     for ours, var in named:
         shape, reads = tuple(var.shape), []
-        for name, label, layer, transposed in hf_tensors(ours, shape):
+        for name, label, layer, transposed in hf_tensors(ours, shape, gemma):
             one = shape if layer is None else shape[1:]
             reads.append((ckpt.get(name, label, one[::-1] if transposed else one), layer, transposed))
             used.add(name)
@@ -383,8 +451,14 @@ def load_params(path: str | Path, abstract_params, shardings) -> nnx.State:
 def hf_config(model_cfg: ModelConfig, vocab_size: int, dtype: str, base: dict | None = None) -> dict:
     """config.json for our model: `base` (e.g. the original config.json) with every
     architecture field rewritten, so fields we do not model (token ids, ...) survive."""
-    mt = "qwen2" if model_cfg.qkv_bias else "llama"
-    doc = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+    m = model_cfg
+    mt = "gemma3_text" if m.gemma else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    base = base or {}
+    if isinstance(base.get("text_config"), dict):  # a multimodal Gemma 3's: its text model is what is written
+        base = {**{k: v for k, v in base.items() if not k.endswith("_config") and "token_index" not in k},
+                **base["text_config"]}
+    drop = ("rope_parameters", "dtype", "torch_dtype", "layer_types", "hidden_act", "hidden_activation")
+    doc = {k: v for k, v in base.items() if k not in drop}
     scaling = None
     if model_cfg.rope_scaling != "none":
         scaling = {"rope_type": model_cfg.rope_scaling, "factor": model_cfg.rope_factor}
@@ -396,9 +470,21 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, dtype: str, base: dict | 
                hidden_size=model_cfg.d_model, intermediate_size=model_cfg.d_ff,
                num_hidden_layers=model_cfg.n_layers, num_attention_heads=model_cfg.n_heads,
                num_key_value_heads=model_cfg.n_kv_heads, head_dim=model_cfg.resolved_head_dim,
-               hidden_act="silu", rms_norm_eps=model_cfg.norm_eps, rope_theta=model_cfg.rope_theta,
+               rms_norm_eps=model_cfg.norm_eps, rope_theta=model_cfg.rope_theta,
                rope_scaling=scaling, tie_word_embeddings=model_cfg.tie_embeddings, torch_dtype=dtype)
-    doc.update({"attention_bias": False, "mlp_bias": False} if mt == "llama" else {"use_sliding_window": False})
+    if mt == "gemma3_text":
+        every = m.global_every or m.n_layers + 1
+        doc.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, attn_logit_softcapping=None,
+                   query_pre_attn_scalar=m.query_pre_attn_scalar or m.resolved_head_dim,
+                   final_logit_softcapping=m.final_logit_softcap or None,
+                   sliding_window=m.sliding_window or None, sliding_window_pattern=every,
+                   rope_local_base_freq=m.rope_local_theta or m.rope_theta,
+                   layer_types=["sliding_attention" if local else "full_attention" for local in m.local_layers()])
+    else:
+        doc["hidden_act"] = "silu"
+        doc.update({"attention_bias": False, "mlp_bias": False} if mt == "llama" else {"use_sliding_window": False})
+        if mt == "qwen3":
+            doc["attention_bias"] = False
     doc.setdefault("max_position_embeddings", 8192)
     return doc
 
@@ -437,9 +523,11 @@ def hf_arrays(params):
     """(HF name, array in the HF layout) for every tensor of `params`, one at a time, computed
     where the parameter lives (a layer's slice and a transpose are device ops; no host copy),
     e.g. to hand the weights to another engine in the same process without writing files."""
-    for ours, leaf in _flat(params)[0]:
+    named = _flat(params)[0]
+    gemma = is_gemma(p for p, _ in named)
+    for ours, leaf in named:
         leaf = leaf.get_value() if _is_var(leaf) else leaf
-        for name, _, layer, transposed in hf_tensors(ours, tuple(leaf.shape)):
+        for name, _, layer, transposed in hf_tensors(ours, tuple(leaf.shape), gemma):
             x = leaf if layer is None else leaf[layer]
             yield name, x.T if transposed else x
 
@@ -452,14 +540,15 @@ def save_hf(params, model_cfg: ModelConfig, vocab_size: int, out_dir: str | Path
     parameter's own dtype, which `load_params` reads back bit-identically."""
     if model_cfg.learned_positions:
         raise HFError(f"model.learned_positions={model_cfg.learned_positions}: a learned position table has "
-                      "no Hugging Face Llama/Qwen2 equivalent; only models with learned_positions=0 export")
-    items = []
-    for ours, leaf in _flat(params)[0]:
+                      "no Hugging Face Llama/Qwen/Gemma equivalent; only models with learned_positions=0 export")
+    items, named = [], _flat(params)[0]
+    gemma = is_gemma(p for p, _ in named)
+    for ours, leaf in named:
         leaf = leaf.get_value() if _is_var(leaf) else leaf
         dt = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype else np.dtype(leaf.dtype)
         if dt not in _DTYPE_NAMES:
             raise HFError(f"dtype {dt} cannot be written to safetensors here (supported: {', '.join(_DTYPES)})")
-        for name, _, layer, transposed in hf_tensors(ours, tuple(leaf.shape)):
+        for name, _, layer, transposed in hf_tensors(ours, tuple(leaf.shape), gemma):
             items.append((name, leaf if layer is None else _Layer(leaf, layer), transposed, dt))
     items.sort(key=lambda it: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", it[0])])  # layer 2 < 10
     dts = {it[3].name for it in items}

@@ -24,6 +24,7 @@ its first column, for the learned position table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TypedDict
 
@@ -137,17 +138,23 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, cfg: ModelConfig, stack: int = 0):
+    """Gemma's norms (`cfg.gemma`) multiply by 1 + scale, so their scale starts at 0; HF
+    checkpoints store that scale as is, so no conversion happens at load or export."""
+
+    def __init__(self, dim: int, *, cfg: ModelConfig, stack: int = 0, axis: str | None = "embed"):
         self.eps = cfg.norm_eps
         self.dtype = jnp.dtype(cfg.dtype)
-        shape, axes = _stacked(stack, (dim,), ("embed",))
-        self.scale = nnx.Param(jnp.ones(shape, jnp.dtype(cfg.param_dtype)), axes=axes)
+        self.plus_one = cfg.gemma
+        shape, axes = _stacked(stack, (dim,), (axis,))
+        init = jnp.zeros if self.plus_one else jnp.ones
+        self.scale = nnx.Param(init(shape, jnp.dtype(cfg.param_dtype)), axes=axes)
 
     def __call__(self, x):
         # fp32 statistics: bf16 mean-of-squares loses enough precision to move logprobs.
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (y * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
 def rope_scaling(cfg: ModelConfig) -> tuple:
@@ -192,6 +199,10 @@ class Attention(nnx.Module):
         d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.theta = h, g, hd, cfg.rope_theta
         self.rope_scaling = rope_scaling(cfg)
+        self.local_theta = (cfg.rope_local_theta or cfg.rope_theta) if cfg.sliding_window else 0.0
+        # Kernels divide scores by sqrt(head_dim); q is rescaled so they divide by sqrt(this).
+        qpas = cfg.query_pre_attn_scalar
+        self.q_scale = math.sqrt(hd / qpas) if qpas and qpas != hd else 1.0
         std = 1.0 / math.sqrt(d)
         kw = dict(bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs, stack=stack)
         self.q = Linear(d, h * hd, ("embed", "heads"), **kw)
@@ -200,9 +211,23 @@ class Attention(nnx.Module):
         # Residual-branch outputs scaled down so the stream's variance stays O(1) with depth.
         o_std = 1.0 / math.sqrt(h * hd) / math.sqrt(2 * cfg.n_layers)
         self.o = Linear(h * hd, d, ("heads", "embed"), bias=False, std=o_std, cfg=cfg, rngs=rngs, stack=stack)
+        if cfg.qk_norm:  # one [hd] scale shared by every head
+            self.q_norm = RMSNorm(hd, cfg=cfg, stack=stack, axis=None)
+            self.k_norm = RMSNorm(hd, cfg=cfg, stack=stack, axis=None)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def qkv(self, x_BxTxD, positions_BxT, pin: bool = False):
-        """`pin`: RoPE reads the q and k projections as computed (decode, see below)."""
+    def _rope(self, x, positions_BxT, local):
+        """RoPE of a global layer, or where `local` (a traced bool) of a sliding-window layer
+        (its own base, unscaled); both are computed and one kept, so layers stay one scan."""
+        out = rope(x, positions_BxT, self.theta, self.rope_scaling)
+        if local is None or not self.local_theta:
+            return out
+        return jnp.where(local, rope(x, positions_BxT, self.local_theta), out)
+
+    def qkv(self, x_BxTxD, positions_BxT, pin: bool = False, local=None):
+        """`pin`: RoPE reads the q and k projections as computed (decode, see below).
+        `local`: whether this layer is a sliding-window one (None: the model has none)."""
         b, t, _ = x_BxTxD.shape
         q, k = self.q(x_BxTxD), self.k(x_BxTxD)
         if pin:
@@ -214,8 +239,12 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v(x_BxTxD).reshape(b, t, self.n_kv_heads, self.head_dim)
-        sc = self.rope_scaling
-        return rope(q, positions_BxT, self.theta, sc), rope(k, positions_BxT, self.theta, sc), v
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self._rope(q, positions_BxT, local)
+        if self.q_scale != 1.0:
+            q = (q * self.q_scale).astype(q.dtype)
+        return q, self._rope(k, positions_BxT, local), v
 
 
 class MLP(nnx.Module):
@@ -225,18 +254,20 @@ class MLP(nnx.Module):
         self.gate = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw)
         self.up = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw)
         self.down = Linear(f, d, ("mlp", "embed"), std=1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers), **kw)
+        # Gemma's GeGLU uses the tanh approximation of gelu (HF gelu_pytorch_tanh)
+        self.act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else jax.nn.silu
 
     def __call__(self, x, shard=lambda y, features=False: y):
         rows = x.size // x.shape[-1]
         if rows < 4 * x.shape[-1]:  # decode: a few rows; stacking would copy the weights every token
-            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+            return self.down(self.act(self.gate(x)) * self.up(x))
         # Many rows (training, prefill): one matmul for gate and up (stacked, not concatenated,
         # so a tensor-parallel shard of the F axis stays on its device); the backward pass then
         # writes one transposed copy of x instead of two (9% of the small model's train step).
         dt = self.gate.dtype
         w_Dx2xF = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1).astype(dt)
         y = jnp.einsum("...d,dkf->...kf", x.astype(dt), w_Dx2xF)
-        return self.down(shard(jax.nn.silu(y[..., 0, :]) * y[..., 1, :], features=True))
+        return self.down(shard(self.act(y[..., 0, :]) * y[..., 1, :], features=True))
 
 
 class Block(nnx.Module):
@@ -247,15 +278,20 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs, stack=stack)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack)
         self.mlp = MLP(cfg, rngs=rngs, stack=stack)
+        # Gemma normalises each branch's output too, before it joins the residual stream
+        self.post_attn_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack) if cfg.gemma else None
+        self.post_mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack) if cfg.gemma else None
 
-    def qkv(self, x_BxTxD, positions_BxT, pin: bool = False):
-        return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT, pin)
+    def qkv(self, x_BxTxD, positions_BxT, pin: bool = False, local=None):
+        return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT, pin, local)
 
     def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y):
         """Output projection, residual and MLP, given the attention output; `shard` pins
         activation layouts (`attention.Spec.shard`)."""
-        x = shard(x_BxTxD + self.attn.o(attn_BxTxE))
-        return shard(x + self.mlp(self.mlp_norm(x), shard))
+        a = self.attn.o(attn_BxTxE)
+        x = shard(x_BxTxD + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
+        m = self.mlp(self.mlp_norm(x), shard)
+        return shard(x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m)))
 
 
 def _stack_blocks(blocks: list[Block], cfg: ModelConfig) -> Block:
@@ -307,8 +343,14 @@ class Transformer(nnx.Module):
             self.lm_head = Linear(cfg.d_model, vocab_size, ("embed", "vocab"), bias=False,
                                   std=1 / math.sqrt(cfg.d_model), cfg=cfg, rngs=rngs)
 
+    def _local_L(self):
+        """[n_layers] bool, True for sliding-window layers; None when the model has none."""
+        return jnp.asarray(self.cfg.local_layers()) if self.cfg.sliding_window else None
+
     def _embed(self, tokens, cols):
         x = self.embed(tokens)
+        if self.cfg.gemma:  # the scale rounded to the compute dtype first, as HF Gemma does
+            x = x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)
         if self.pos_embed is None:
             return x
         return x + self.pos_embed[...][cols].astype(x.dtype)
@@ -320,6 +362,8 @@ class Transformer(nnx.Module):
         else:
             logits = jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...].astype(x.dtype),
                                 preferred_element_type=jnp.float32)
+        if cap := self.cfg.final_logit_softcap:
+            logits = cap * jnp.tanh(logits / cap)
         if not self.n_tokens:
             return logits
         return jnp.where(jnp.arange(logits.shape[-1]) < self.n_tokens, logits, OUTSIDE_LOGIT)
@@ -356,13 +400,19 @@ class Transformer(nnx.Module):
         t = tokens_BxT.shape[1]
         spec = attn or default_attention(self.cfg)
         x = self._embed(tokens_BxT, jnp.arange(t)[None] + col_offset)
+        window = self.cfg.sliding_window
 
-        def body(x, block, _):
-            q, k, v = block.qkv(spec.shard(x), positions_BxT)
-            x = block.finish(x, attention.self_attention(q, k, v, valid_BxT, spec), spec.shard)
+        def body(x, block, local):
+            q, k, v = block.qkv(spec.shard(x), positions_BxT, local=local)
+            if local is None:
+                out = attention.self_attention(q, k, v, valid_BxT, spec)
+            else:  # one kernel runs per layer: the windowed one on local layers
+                out = jax.lax.cond(local, lambda *a: attention.self_attention(*a, spec, window=window),
+                                   lambda *a: attention.self_attention(*a, spec), q, k, v, valid_BxT)
+            x = block.finish(x, out, spec.shard)
             return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None)
 
-        x, kv = self._scan(body, x, remat=remat, unroll=unroll, gather=gather)
+        x, kv = self._scan(body, x, self._local_L(), remat=remat, unroll=unroll, gather=gather)
         return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None)
 
     def hidden(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat: str = "none",
@@ -419,14 +469,25 @@ class Transformer(nnx.Module):
         mask_BxT = (c[None] >= starts_B[:, None]) & (c[None] < below_B[:, None])
         if recent is not None:
             mask_BxK = jnp.broadcast_to(jnp.arange(recent.k.shape[3])[None] < recent.n, (b, recent.k.shape[3]))
+        local_L, w = self._local_L(), self.cfg.sliding_window
+        if local_L is not None:
+            # Sliding-window layers see only columns less than `w` back: the full cache
+            # stays, the mask narrows (cols_B - column < w), as the full-row kernels do.
+            near_BxT = mask_BxT & (c[None] > cols_B[:, None] - w)
+            if recent is not None:
+                near_BxK = mask_BxK & (recent.c0_B[:, None] + jnp.arange(recent.k.shape[3])[None] > cols_B[:, None] - w)
         x = self._embed(tokens_B[:, None], cols_B[:, None])
 
         def body(x, block, i):
-            q, k, v = block.qkv(x, positions_B[:, None], pin=True)
+            local = None if local_L is None else local_L[i]
+            q, k, v = block.qkv(x, positions_B[:, None], pin=True, local=local)
+            m_BxT = mask_BxT if local is None else jnp.where(local, near_BxT, mask_BxT)
             # this layer's [B, Hkv, t, hd], read where it lies
             keys, values = cache["k"][i, :, :, :t].astype(k.dtype), cache["v"][i, :, :, :t].astype(v.dtype)
-            extra = () if recent is None else ((recent.k[i].astype(k.dtype), recent.v[i].astype(v.dtype), mask_BxK),)
-            x = block.finish(x, attention.one_query(q, keys, values, mask_BxT, k[:, 0], v[:, 0], extra))
+            if recent is not None:
+                m_BxK = mask_BxK if local is None else jnp.where(local, near_BxK, mask_BxK)
+            extra = () if recent is None else ((recent.k[i].astype(k.dtype), recent.v[i].astype(v.dtype), m_BxK),)
+            x = block.finish(x, attention.one_query(q, keys, values, m_BxT, k[:, 0], v[:, 0], extra))
             return x, (k[:, 0], v[:, 0])
 
         x, (k_LxBxGxD, v_LxBxGxD) = self._scan(body, x, jnp.arange(self.cfg.n_layers), unroll=unroll)

@@ -29,7 +29,7 @@ from async_rl.rollout.pump import Pump
 from async_rl.run.build import Parts, Start, resume_line
 from async_rl.run.evaluate import eval_slots, make_evaluator
 from async_rl.run.report import total_steps
-from async_rl.state import reshard
+from async_rl.state import compat, reshard
 from async_rl.state.checkpoint import CheckpointWriteError, NonFiniteError
 from async_rl.state.layout import last_committed
 from async_rl.state.lineage import RunLogs
@@ -232,7 +232,7 @@ class Session:
                 if self.journal is not None:
                     self.journal.rotate(s)  # records after the cut go to a segment this checkpoint does not cover
         self.agree([])  # no process enters the save's collectives where one has failed
-        meta = {"step": s, "version": s, "data_stream": C.data_stream(self.cfg), "config": C.to_dict(self.cfg),
+        meta = {"step": s, "version": s, "data_stream": compat.data_stream(self.cfg), "config": C.to_dict(self.cfg),
                 "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
         self.ckpt.save(s, self.state, it_state, cut, meta)
         if self.cfg.run.determinism:

@@ -34,7 +34,7 @@ from async_rl import faults
 from async_rl.buffer.ledger import Capture, LedgerSnapshot
 from async_rl.errors import RunFailure, UsageError
 from async_rl.model import sharding
-from async_rl.state import orbax_patch
+from async_rl.state import compat, orbax_patch
 from async_rl.state.items import (
     Damaged,
     IteratorState,
@@ -54,7 +54,6 @@ from async_rl.state.items import (
 from async_rl.state.layout import (
     COMMIT_FILE,
     committed_steps,
-    is_step_name,
     iterator_file,
     last_committed,
     meta_file,
@@ -120,17 +119,6 @@ class Choice:
     damaged: list[DamagedStep]
 
 
-class _FaultyCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
-    """Orbax's commit (rename of the temporary directory), failing with ENOSPC for the steps
-    ASYNC_RL_FAULT names: the crash tests' stand-in for a full disk."""
-
-    async def finalize(self, *args, **kwargs):
-        name = Path(str(self.get_final())).name
-        if is_step_name(name):  # the step directory, not one of its items
-            faults.raise_enospc("commit", int(name))
-        return await super().finalize(*args, **kwargs)
-
-
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool):
         orbax_patch.install()
@@ -149,10 +137,10 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=None if remote else self.keep,
                                             enable_async_checkpointing=self.async_save,
                                             cleanup_tmp_directories=True, create=True)
-        if temporary_path_class(self.directory) is not None:
-            opts = dataclasses.replace(opts, temporary_path_class=temporary_path_class(self.directory))
-        elif faults.enospc_points():
-            opts = dataclasses.replace(opts, temporary_path_class=_FaultyCommit)
+        # an object store's commit record, or (crash tests) a commit that fails as a full disk would
+        commit = temporary_path_class(self.directory) or faults.commit_class()
+        if commit is not None:
+            opts = dataclasses.replace(opts, temporary_path_class=commit)
         self.mngr = ocp.CheckpointManager(self.directory, options=opts)
 
     def steps(self) -> list[int]:
@@ -379,7 +367,7 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
                             f"with {saved_pc} process(es), or set run.determinism=false to resize it "
                             "(nothing was changed)")
     saved = meta.get("config") or {}
-    changes = C.changes(saved, cfg)
+    changes = compat.changes(saved, cfg)
     stream = [c for c in changes if c.kind == "stream"]
     if stream:
         c = stream[0]
@@ -390,7 +378,7 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
     if lowered:
         c = lowered[0]
         raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
-                            f"{c.key}={c.saved!r}; {C.NO_LOWER_FIELDS[c.key]}. Keep it >= {c.saved!r} or use a "
+                            f"{c.key}={c.saved!r}; {compat.NO_LOWER_FIELDS[c.key]}. Keep it >= {c.saved!r} or use a "
                             "new run.dir (nothing was changed)")
     return changes
 

@@ -118,8 +118,12 @@ class RunLogs:
     def trained(self, step: int, groups: list[Group]) -> None:
         self.lineage.append([self._row(step, g) for g in groups])
         if self.rollouts is not None:
+            # the prompt's ids and each token's behaviour logprob: enough to score the run's own
+            # tokens with any other implementation and compare (e.g. a backend against a reference)
             self.rollouts.append([{**self._row(step, g), "prompt": g.prompt, "answer": g.answer,
+                                   "prompt_tokens": [int(t) for t in g.prompt_tokens],
                                    "samples": [{"tokens": s.tokens, "versions": s.versions, "reward": s.reward,
+                                                "logprobs": [float(x) for x in s.logprobs],
                                                 "text": self.tok.decode(s.tokens)} for s in g.samples]}
                                   for g in groups])
 

@@ -23,17 +23,12 @@ def _check_staleness(run_dir, bound):
 
 
 def _train_with_delay(monkeypatch, delay: str, c):
-    """`train(c)` with the fault module's `ASYNC_RL_DELAY` set (it is read when the module loads)."""
-    import importlib
-
-    from async_rl import faults
+    """`train(c)` with the fault module's `ASYNC_RL_DELAY` set (read when a point is reached)."""
     monkeypatch.setenv("ASYNC_RL_DELAY", delay)
-    importlib.reload(faults)
     try:
         return train(c)
     finally:
         monkeypatch.delenv("ASYNC_RL_DELAY")
-        importlib.reload(faults)
 
 
 def _regenerations(run_dir, res, n_prompts: int) -> list[dict]:

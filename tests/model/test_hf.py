@@ -1,4 +1,4 @@
-"""HF checkpoints: tiny random Llama/Qwen2 files load into sharded params whose logits match
+"""HF checkpoints: tiny random Llama/Qwen2/Qwen3/Gemma 3 files load into sharded params whose logits match
 an independent NumPy forward pass; save -> load is bit-identical; errors name what is wrong.
 Tests marked `parity` compare against transformers itself (`make parity`)."""
 
@@ -32,6 +32,20 @@ CONFIGS = {
     # MQA, qkv bias, tied embeddings, large theta
     "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_key_value_heads=1,
                   rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False),
+    # q/k norm, a head width (32) not d_model / heads (16), untied head
+    "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2, head_dim=32,
+                  rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
+                  use_sliding_window=False),
+    # Gemma 3 text: 1 + w norms, post-branch norms, GeGLU, scaled embeddings, q/k norm, two
+    # sliding-window layers (window 4 < the 12 test columns) with their own RoPE base, then a
+    # global one with linear scaling; query_pre_attn_scalar != head_dim; a final soft cap.
+    "gemma3": dict({k: v for k, v in BASE.items() if k != "hidden_act"}, architectures=["Gemma3ForCausalLM"],
+                   model_type="gemma3_text", num_hidden_layers=3, num_key_value_heads=2, head_dim=24,
+                   hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=1e6,
+                   rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                   sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=20, final_logit_softcapping=30.0, attn_logit_softcapping=None,
+                   tie_word_embeddings=True, attention_bias=False),
 }
 parity = pytest.mark.skipif(not os.environ.get("ASYNC_RL_PARITY"), reason="run by `make parity`")
 
@@ -42,13 +56,21 @@ def random_weights(hc: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.nd
     d, f, V = hc["hidden_size"], hc["intermediate_size"], hc["vocab_size"]
     H, G = hc["num_attention_heads"], hc["num_key_value_heads"]
     hd = hc.get("head_dim") or d // H
-    w = {"model.embed_tokens.weight": rng.normal(0, 0.4, (V, d)), "model.norm.weight": 1 + 0.1 * rng.normal(size=d)}
+    gemma = hc["model_type"].startswith("gemma")
+    one = 0.0 if gemma else 1.0  # Gemma's norms scale by 1 + w
+    emb = 0.4 / np.sqrt(d) if gemma else 0.4  # Gemma multiplies embeddings by sqrt(d)
+    w = {"model.embed_tokens.weight": rng.normal(0, emb, (V, d)), "model.norm.weight": one + 0.1 * rng.normal(size=d)}
     if not hc["tie_word_embeddings"]:
         w["lm_head.weight"] = rng.normal(0, 0.2, (V, d))
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
     for i in range(hc["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = 1 + 0.1 * rng.normal(size=d)
-        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * rng.normal(size=d)
+        for n in norms:
+            w[p + f"{n}.weight"] = one + 0.1 * rng.normal(size=d)
+        if hc["model_type"] in ("qwen3", "gemma3_text"):
+            for n in "qk":
+                w[p + f"self_attn.{n}_norm.weight"] = one + 0.1 * rng.normal(size=hd)
         for n, rows in (("q", H * hd), ("k", G * hd), ("v", G * hd)):
             w[p + f"self_attn.{n}_proj.weight"] = rng.normal(0, 0.25, (rows, d))
             if hc["model_type"] == "qwen2":
@@ -78,11 +100,13 @@ def write_checkpoint(path, hc: dict, weights: dict, shards: int = 1):
 
 
 def reference_logits(hc: dict, w: dict, tokens, positions) -> np.ndarray:
-    """Llama/Qwen2 forward pass in float64, written from the published architecture."""
+    """Llama/Qwen2/Qwen3/Gemma 3 forward pass in float64, written from the published architectures."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
     B, T = tokens.shape
     d, H, G = hc["hidden_size"], hc["num_attention_heads"], hc["num_key_value_heads"]
     hd, eps = hc.get("head_dim") or d // H, hc.get("rms_norm_eps", 1e-6)
+    gemma, qk_norm = hc["model_type"] == "gemma3_text", hc["model_type"] in ("qwen3", "gemma3_text")
+    local_layers = [t == "sliding_attention" for t in hc.get("layer_types", [])] or [False] * hc["num_hidden_layers"]
     inv = 1.0 / hc["rope_theta"] ** (np.arange(0, hd, 2) / hd)
     sc = hc.get("rope_scaling") or {}
     kind = sc.get("rope_type", sc.get("type"))
@@ -94,35 +118,52 @@ def reference_logits(hc: dict, w: dict, tokens, positions) -> np.ndarray:
         mix = (old / wl - lo) / (hi - lo)
         inv = np.where(wl < old / hi, inv, np.where(wl > old / lo, inv / sc["factor"],
                                                     (1 - mix) * inv / sc["factor"] + mix * inv))
-    ang = positions[..., None] * inv
-    cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+    local_inv = 1.0 / hc.get("rope_local_base_freq", 1.0) ** (np.arange(0, hd, 2) / hd)  # unscaled
 
-    def rotate(x):  # pair i with i + hd/2 and turn it by the position's angle
+    def rotate(x, inv):  # pair i with i + hd/2 and turn it by the position's angle
+        ang = positions[..., None] * inv
+        cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
         a, b = x[..., :hd // 2], x[..., hd // 2:]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
     def norm(x, g):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * ((1 + g) if gemma else g)
 
-    x = w["model.embed_tokens.weight"][tokens]
-    causal = np.tril(np.ones((T, T), bool))
+    def act(g):  # gelu (tanh approximation) for Gemma, else silu
+        if gemma:
+            return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+        return g / (1 + np.exp(-g))
+
+    x = w["model.embed_tokens.weight"][tokens] * (np.sqrt(d) if gemma else 1.0)
+    qi, ki = np.arange(T)[:, None], np.arange(T)[None]
+    scale = hc["query_pre_attn_scalar"] ** -0.5 if gemma else hd ** -0.5
     for i in range(hc["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        local = local_layers[i]
+        visible = (ki <= qi) & ((qi - ki < hc["sliding_window"]) if local else True)
         h = norm(x, w[p + "input_layernorm.weight"])
         proj = {n: h @ w[p + f"self_attn.{n}_proj.weight"].T + w.get(p + f"self_attn.{n}_proj.bias", 0.0)
                 for n in "qkv"}
-        q = rotate(proj["q"].reshape(B, T, H, hd))
-        k = np.repeat(rotate(proj["k"].reshape(B, T, G, hd)), H // G, axis=2)
+        q, k = proj["q"].reshape(B, T, H, hd), proj["k"].reshape(B, T, G, hd)
+        if qk_norm:
+            q, k = norm(q, w[p + "self_attn.q_norm.weight"]), norm(k, w[p + "self_attn.k_norm.weight"])
+        q, k = rotate(q, local_inv if local else inv), rotate(k, local_inv if local else inv)
+        k = np.repeat(k, H // G, axis=2)
         v = np.repeat(proj["v"].reshape(B, T, G, hd), H // G, axis=2)
-        s = np.where(causal, np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd), -np.inf)
+        s = np.where(visible, np.einsum("bqhd,bkhd->bhqk", q, k) * scale, -np.inf)
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
-        x = x + np.einsum("bhqk,bkhd->bqhd", a, v).reshape(B, T, H * hd) @ w[p + "self_attn.o_proj.weight"].T
-        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        o = np.einsum("bhqk,bkhd->bqhd", a, v).reshape(B, T, H * hd) @ w[p + "self_attn.o_proj.weight"].T
+        x = x + (norm(o, w[p + "post_attention_layernorm.weight"]) if gemma else o)
+        h = norm(x, w[p + ("pre_feedforward_layernorm" if gemma else "post_attention_layernorm") + ".weight"])
         g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
+        m = (act(g) * u) @ w[p + "mlp.down_proj.weight"].T
+        x = x + (norm(m, w[p + "post_feedforward_layernorm.weight"]) if gemma else m)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return norm(x, w["model.norm.weight"]) @ head.T
+    logits = norm(x, w["model.norm.weight"]) @ head.T
+    if cap := hc.get("final_logit_softcapping"):
+        logits = cap * np.tanh(logits / cap)
+    return logits
 
 
 def mesh_2x2() -> Mesh:
@@ -317,7 +358,8 @@ def test_logits_match_transformers(tmp_path, arch, writer):
     mcfg, params, graphdef, _ = load(write_checkpoint(tmp_path / "src", hc, w))
     # "save_hf": transformers reads the directory our exporter writes
     path = tmp_path / "src" if writer == "safetensors" else hf.save_hf(params, mcfg, mcfg.vocab_size, tmp_path / "out")
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[hc["model_type"]]
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM}[hc["model_type"]]
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     tokens, positions = sample_inputs()
     with torch.no_grad():

@@ -232,3 +232,41 @@ def test_tpu_plan_while_a_train_runs(tmp_path):
         assert kill9(train)
     assert plan.returncode in (0, 1), plan.stderr[-2000:]  # 1: does not fit; 2 would be the lock's error
     assert "lockfile" not in plan.stderr and "fits" in plan.stdout, plan.stdout[-2000:]
+
+
+@pytest.mark.parametrize("family", [["model.qk_norm=true", "model.head_dim=24"],
+                                    ["model.qk_norm=true", "model.gemma=true", "model.sliding_window=4",
+                                     "model.global_every=3", "model.rope_local_theta=10000",
+                                     "model.query_pre_attn_scalar=20"]])
+def test_plan_compiles_qwen3_and_gemma3_steps(family):
+    """The learner step and the engine's decode of each new family compile on a 4-way FSDP
+    mesh (per-layer window choice inside the scan, q/k norm scales replicated)."""
+    rep = PL.plan(cfg_of(*family), "cpu:4", cost=False)
+    assert rep.parts["learner"].fits and rep.parts["engine"].fits
+    assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+@pytest.mark.parametrize("path, n_params", [("configs/plan/qwen3-8b.yaml", 8_190_735_360),
+                                            ("configs/plan/gemma3-4b.yaml", 3_880_263_168)])
+def test_plan_presets_have_the_published_shapes(path, n_params):
+    """Qwen3-8B's published count; Gemma 3 4B's text model (embeddings 262208 x 2560, tied)
+    is its 4.3B less the 0.42B vision tower."""
+    from flax import nnx
+
+    from async_rl.model.transformer import Transformer
+    m = C.load(path).model
+    model = nnx.eval_shape(lambda: Transformer(m, m.vocab_size, rngs=nnx.Rngs(0)))
+    assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param))) == n_params
+    assert m.local_layers().count(False) == (m.n_layers // m.global_every if m.global_every else m.n_layers)
+
+
+def test_sliding_window_layers_count_only_the_pairs_they_attend():
+    base = ["model.qk_norm=true", "model.gemma=true", "model.global_every=3"]
+    cfg = cfg_of(*base, "model.sliding_window=4")  # T = 16: layers 0, 1 local, 2 global
+    T, m = 16, cfg.model
+    assert flops.attended_pairs(m, T) == T * T / 2 + 2 * (4 * T - 4 * 4 / 2)
+    assert flops.attended_pairs(m, T, causal=False) == 3 * T * T  # the masked square costs it all
+    wide = cfg_of(*base, "model.sliding_window=64")  # a window past the row: every layer causal
+    assert flops.attended_pairs(wide.model, T) == 3 * T * T / 2
+    assert flops.step_flops(cfg, 64)["attention"] < flops.step_flops(wide, 64)["attention"]
+    assert flops.kernel_flops(cfg) < flops.kernel_flops(wide)

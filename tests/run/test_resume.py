@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 from helpers import cfg, checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest
 
@@ -75,12 +76,16 @@ def test_partly_filled_step_and_in_flight_samples(tmp_path, xla_cache):
                 continue
             row = trained[g.ordinal]
             assert row["step"] == g.target_step  # trained in its originally stamped step
+            assert row["prompt_tokens"] == [int(t) for t in g.prompt_tokens]
             for saved, got in zip(g.samples, row["samples"]):
+                assert len(got["logprobs"]) == len(got["tokens"])
                 if saved.done:  # READY or finished samples are not generated again
                     assert got["tokens"] == saved.tokens and got["reward"] == saved.reward
+                    assert np.allclose(got["logprobs"], saved.logprobs, atol=0, rtol=1e-6)
                 else:  # in-flight samples continue from their saved tokens
                     assert got["tokens"][:len(saved.tokens)] == saved.tokens
                     assert got["versions"][:len(saved.versions)] == saved.versions
+                    assert np.allclose(got["logprobs"][:len(saved.logprobs)], saved.logprobs, atol=0, rtol=1e-6)
         steps = steps_of(run)
         assert sorted(p for ids in steps.values() for p in ids) == list(range(18))
 
