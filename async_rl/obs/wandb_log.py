@@ -52,7 +52,7 @@ class WandbLog:
         run_id = state.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         # wandb names a session's folder by its start second: a second session of this run in
         # the same second would reuse the folder and overwrite the earlier session's files
-        while any(Path(run_dir) / runfiles.WANDB.glob(f"*run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
+        while any((Path(run_dir) / runfiles.WANDB).glob(f"*run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
             time.sleep(0.1)
         self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).resolve().name,
                               tags=list(tags), id=run_id, resume="allow", dir=str(run_dir), config=config)

@@ -6,7 +6,7 @@ globs and patterns that find them again (history, manifests, per-process logs, j
 segments). Every other module asks here, joining a single name (`run_dir / runfiles.FINAL`)
 or calling a function where a name depends on a process index or step; none spells a name
 (tests/store/test_runfiles.py checks). Does not own: what the files hold, or the inside of a checkpoint step (Orbax's
-names, `ckpt_layout`). Functions take and return the path object of `storage.run_path`, so a
+names, `state.layout`). Functions take and return the path object of `storage.run_path`, so a
 local directory and an object-store prefix are joined alike.
 
 See docs/design.md, "The run directory".
@@ -107,12 +107,6 @@ def lock_process(lock_path) -> int:
 
 def probe(run_dir, host: str, pid: int):
     return run_dir / f"{PROBE}{host}-{pid}"
-
-
-def step(run_dir, step: int):
-    """Checkpoint step `step`'s folder (Orbax's standard name for it, from ckpt_layout)."""
-    from async_rl.state.layout import step_dir  # Orbax is imported only by what reads or writes steps
-    return step_dir(run_dir / CHECKPOINTS, step)
 
 
 def damaged_step(run_dir, step: int, when: int):

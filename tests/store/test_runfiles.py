@@ -116,4 +116,3 @@ def test_names_per_process(tmp_path):
     assert runfiles.process_of_log("lineage.p1.jsonl", "drops") == -1
     assert runfiles.process_of_log("notes.jsonl") == -1
     assert runfiles.journal_segment(runfiles.journal_dir(tmp_path, 1), 5) == tmp_path / "journal" / "p1" / "00000005.jrn"
-    assert runfiles.step(tmp_path, 12) == tmp_path / "checkpoints" / "12"
