@@ -116,7 +116,8 @@ class _FailedSaveLog(logging.Filter):
     MESSAGES = ("in background save thread",  # AsyncCheckpointer's commit thread
                 "_SignalingThread.run() raised an exception",  # the thread running a commit future
                 "Save Finalize thread",  # CheckpointManager.wait_until_finished
-                "Checkpointer failed: one or more items may not be finalized")  # CheckpointManager._finalize
+                "Checkpointer failed: one or more items may not be finalized",  # CheckpointManager._finalize
+                "Failed to write metadata=")  # the step's metadata store, whose failure the save then raises
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
