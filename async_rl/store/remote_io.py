@@ -85,9 +85,9 @@ def ensure() -> None:
 
 
 def _apply() -> None:
-    _S.configured = True
     per_try = per_request_s(_S.timeout_s)
-    _install()
+    _install()  # refuses another fsspec: then nothing counts as configured, and the next call refuses too
+    _S.configured = True
     import aiohttp
     import fsspec.config
     conf = fsspec.config.conf
