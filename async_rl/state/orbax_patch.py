@@ -117,7 +117,8 @@ class _FailedSaveLog(logging.Filter):
                 "_SignalingThread.run() raised an exception",  # the thread running a commit future
                 "Save Finalize thread",  # CheckpointManager.wait_until_finished
                 "Checkpointer failed: one or more items may not be finalized",  # CheckpointManager._finalize
-                "Failed to write metadata=")  # the step's metadata store, whose failure the save then raises
+                "Failed to write metadata=",  # the step's metadata store, whose failure the save then raises
+                "Failed to update metadata=")  # the same store when the step's metadata is amended
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
