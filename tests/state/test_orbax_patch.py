@@ -19,6 +19,7 @@ class _Keep(logging.Handler):
 
 @pytest.fixture
 def absl_records():
+    orbax_patch.uninstall()  # an earlier test's checkpointer may have installed it
     keep, log = _Keep(), logging.getLogger("absl")
     log.addHandler(keep)
     yield keep.records
