@@ -2,8 +2,11 @@
 handler, sys hook, exit hook, signal handler, environment variable, gc or fsspec setting.
 Patches are installed by the code that needs them (`orbax_patch.install`, `remote_io.ensure`)."""
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 PROBE = r'''
 import atexit, gc, json, logging, os, pkgutil, signal, sys, importlib
@@ -73,3 +76,18 @@ def test_the_orbax_patch_is_installed_and_removed_explicitly():
     finally:
         orbax_patch.uninstall()
     assert ts_utils.build_kvstore_tspec is own and logging.getLogger("absl").filters == filters
+
+
+def test_a_command_called_in_process_leaves_the_environment_as_it_found_it(tmp_path, monkeypatch):
+    """`train` on an object store sets tensorstore's stall bounds for its run (and `plan` or a
+    command off a TPU host JAX's platforms); called in-process (a notebook, a test), the command
+    puts the caller's environment back when it returns."""
+    pytest.importorskip("s3fs")
+    from async_rl.run.cli import main
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing answers there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    before = dict(os.environ)
+    code = main(["train", "--config", "configs/tiny.yaml", "run.dir=s3://no-such-bucket/run",
+                 "run.storage_timeout_s=2", "log.progress=false"])
+    assert code != 0 and dict(os.environ) == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from async_rl import config as C
@@ -97,7 +98,6 @@ def _keep_off_libtpu(cmd: str | None) -> None:
     loads it without the lock (it compiles, it runs nothing on a chip)."""
     import glob
     import importlib.util
-    import os
     if importlib.util.find_spec("libtpu") is None:
         return
     if cmd == "plan":
@@ -114,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     # before anything heavy is imported: a SIGTERM during imports or start-up is kept, not fatal
     signals.register_exit_hook()
     handlers = signals.install()
+    env = dict(os.environ)  # a command sets variables for its libraries (JAX_PLATFORMS, tensorstore's)
     code = 1
     try:
         code = _main(argv)
     finally:
+        if argv is not None:  # called in-process: the caller's environment as it was
+            for k in set(os.environ) - env.keys():
+                del os.environ[k]
+            os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
         # run as the program (arguments from sys.argv), the process exits next: a signal from
         # here on finds the command ended and its work saved, and exits with its code
         signals.release(handlers, exiting=code if argv is None else None)
@@ -236,7 +241,6 @@ def _kept(cfg) -> str:
 
 def _plan(args) -> int:
     """Exit 0: the step fits; 1: it does not (the knobs to try are printed); 2: bad input."""
-    import os
     import re
     # Compiling needs no accelerator; forced host devices must be asked for before jax starts.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
