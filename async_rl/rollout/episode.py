@@ -37,7 +37,8 @@ class Episodes:
     def __init__(self, *, run: str, tokenizer, max_turns: int, max_new_tokens: int, turn_max_tokens: int = 0):
         self.run, self.tok, self.max_turns = run, tokenizer, max_turns
         self.N, self.turn_max = max_new_tokens, turn_max_tokens
-        self._chat = getattr(tokenizer, "render_observation", None)  # HF tokenizers with a chat template
+        self._chat = getattr(tokenizer, "render_observation", None)  # HF tokenizers (chat format or raw)
+        self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
 
     def key(self, g: Group, si: int, s: Sample) -> StepKey:
         return StepKey(self.run, g.prompt_id, g.epoch, si, len(s.turns))
@@ -70,10 +71,10 @@ class Episodes:
         out.append({"role": "assistant", "content": completion_text(self.tok, s.tokens[pos:])})
         return out
 
-    def observation_tokens(self, text: str, role: str, key: StepKey) -> list[int]:
+    def observation_tokens(self, text: str, role: str, key: StepKey, closed: bool = True) -> list[int]:
         try:
             if self._chat is not None:
-                return list(self._chat(text, role))
+                return list(self._chat(text, role, closed))
             return list(self.tok.encode(text))
         except Exception as e:  # noqa: BLE001 - what the env returned cannot be tokenised: its fault, named
             raise EnvError(" ".join(f"env step returned an observation the tokenizer cannot encode "
@@ -85,7 +86,8 @@ class Episodes:
         says so, at max_turns assistant turns, or when no token would be left for a reply; an
         observation not fed is still recorded, with n = 0."""
         obs = r.observation or ""
-        ids = [] if r.done else self.observation_tokens(obs, r.role, key)
+        closed = bool(s.tokens) and s.tokens[-1] in self._stops
+        ids = [] if r.done else self.observation_tokens(obs, r.role, key, closed)
         ended = r.done or key.turn + 1 >= self.max_turns or len(s.tokens) + len(ids) >= self.N
         if ended:
             ids = []
