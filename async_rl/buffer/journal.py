@@ -196,6 +196,8 @@ class Journal:
                 return
             if why == "wait":
                 waiting = waiting or e
+                if e.episode is not None:  # taking a nearer record now would ask its later env steps again
+                    break
             elif why != "superseded":
                 first_failure = first_failure or (e, *why)
         if waiting is not None:

@@ -93,13 +93,20 @@ def _check_episodes(run_dir, service_log, delivered: int, max_concurrent: int) -
     return {"again": again, **env}
 
 
-def test_multi_turn_run_killed_at_random_moments_trains_every_prompt_once(tmp_path, xla_cache, service):
-    rng = random.Random(4)
+@pytest.mark.parametrize("partial, kills", [(False, 6), pytest.param(True, 10, marks=pytest.mark.soak),
+                                            pytest.param(False, 10, marks=pytest.mark.soak)],
+                         ids=["whole", "partial-soak", "whole-soak"])
+def test_multi_turn_run_killed_at_random_moments_trains_every_prompt_once(tmp_path, xla_cache, service, partial,
+                                                                         kills):
+    rng = random.Random(4 + kills + partial)
     schedule = [("at", "env_submit:40"), ("at", "ckpt_write:2"), ("random", 3, rng.uniform(0, 0.3)),
                 ("at", "env_submit:30"), ("at", "ckpt_saved:5"), ("random", 6, rng.uniform(0, 0.3))]
+    schedule += [("at", f"env_submit:{rng.randint(5, 60)}") if i % 2 else ("random", 7 + i, rng.uniform(0, 0.3))
+                 for i in range(kills - len(schedule))]
     run = tmp_path / "run"
-    out = crash_and_finish(run, [*BASE, *EPISODE, "rollout.env=service_env:make"], xla_cache, schedule=schedule)
-    assert out["delivered"] >= 4, out
+    out = crash_and_finish(run, [*BASE, *EPISODE, "rollout.env=service_env:make", f"rollout.partial={partial}"],
+                           xla_cache, schedule=schedule)
+    assert out["delivered"] >= kills - 2, out
     print("multi-turn crash:", _check_episodes(run, service, out["delivered"], 16))
 
 
