@@ -460,8 +460,9 @@ class Journal:
     def summary(self) -> str:
         u = self.usage
         unused = ", ".join(f"{k} {v}" for k, v in sorted(u.unused.items()))
-        return (f"journal: supplied {len(u.groups)} groups ({u.samples} samples, {u.tokens} tokens) instead of "
-                f"generating them again" + (f"; {sum(u.unused.values())} samples not used ({unused}; see "
+        steps = f", {u.env_steps} env steps" if u.env_steps else ""
+        return (f"journal: supplied {len(u.groups)} groups ({u.samples} samples, {u.tokens} tokens{steps}) instead "
+                f"of generating them again" + (f"; {sum(u.unused.values())} samples not used ({unused}; see "
                                             "drops.jsonl)" if u.unused else ""))
 
     def restore(self, ledger, sampler, step: int) -> str | None:
@@ -477,8 +478,9 @@ class Journal:
         u = self.usage
         waiting = sum(len(v) for v in self.waits.values())
         _, rest, _ = self.available()
-        return (f"journal: {held} finished samples ({held_tokens} tokens) from earlier sessions; {u.samples} "
-                f"samples ({u.tokens} tokens) of restored groups taken from it"
+        steps = f" and {u.env_steps} env steps" if u.env_steps else ""
+        return (f"journal: {held} records ({held_tokens} tokens) from earlier sessions; {u.samples} "
+                f"finished samples ({u.tokens} tokens){steps} of restored groups taken from it"
                 + (f", {waiting} waiting for the weights that made them" if waiting else "")
                 + f", up to {rest} more as the stream reaches their groups")
 

@@ -37,7 +37,10 @@ def main() -> None:
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # the run's env steps connect at once (rollout.env_max_concurrent)
+
+    server = Server(("127.0.0.1", 0), Handler)
     tmp = port_file + ".tmp"
     with open(tmp, "w") as f:
         f.write(str(server.server_address[1]))
