@@ -75,7 +75,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | jsonl | parquet
-    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences) | lookup (needs a tool)
+    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences) | lookup | recall (need a tool)
     path: str = ""  # prompt file for jsonl/parquet sources
     num_records: int = 2048  # records per epoch (synthetic); 0 = the whole file
     shuffle: bool = True  # reshuffle the records every epoch
@@ -96,7 +96,7 @@ class DataConfig:
     def __post_init__(self):
         _one_of("data.source", self.source, ("synthetic", "jsonl", "parquet"))
         if self.source == "synthetic":
-            _one_of("data.task", self.task, ("reverse", "addition", "word_problem", "lookup"))
+            _one_of("data.task", self.task, ("reverse", "addition", "word_problem", "lookup", "recall"))
             _check(self.num_records > 0, "data.num_records", self.num_records, "must be > 0")
         else:
             _check(bool(self.path), "data.path", self.path, f"required for data.source={self.source}")
@@ -259,6 +259,7 @@ class RolloutConfig:
     env_max_turns: int = 4  # built-in envs (lookup, mcp): assistant turns per episode
     env_max_concurrent: int = 16  # env steps running at once
     env_timeout_s: float = 60.0  # one env step running longer fails the run, seconds
+    turn_max_tokens: int = 0  # multi-turn: tokens per assistant turn; 0 = what the episode has left
     mcp_server: str = ""  # rollout.env=mcp: streamable-HTTP URL (http://...) or stdio command of the server
 
     def __post_init__(self):
@@ -270,6 +271,7 @@ class RolloutConfig:
         _check(self.env_max_turns > 0, "rollout.env_max_turns", self.env_max_turns, "must be > 0")
         _check(self.env_max_concurrent > 0, "rollout.env_max_concurrent", self.env_max_concurrent, "must be > 0")
         _check(self.env_timeout_s > 0, "rollout.env_timeout_s", self.env_timeout_s, "must be > 0")
+        _check(self.turn_max_tokens >= 0, "rollout.turn_max_tokens", self.turn_max_tokens, "must be >= 0")
         if self.env == "mcp":
             _check(bool(self.mcp_server.strip()), "rollout.mcp_server", self.mcp_server,
                    "required for rollout.env=mcp (an http:// URL or a command)")
@@ -462,6 +464,9 @@ class Config:
                    "required for engine.backend=vllm (vLLM loads the Hugging Face directory)")
             _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor,
                    "engine.backend=vllm runs on one device here")
+        if self.rollout.env:
+            _check(not self.run.determinism, "run.determinism", True,
+                   "not with rollout.env (env steps finish in any order)")
         if s.name == "in_order":
             _check(s.max_staleness is None, "sampler.max_staleness", s.max_staleness,
                    "applies to fifo/windowed; in_order bounds staleness with sampler.max_lookahead")

@@ -9,7 +9,8 @@ are written), `ckpt_saved` (save() returned, the async write may still be runnin
 (while damaged steps are moved aside on resume; the step is the damaged one), `generate`
 (the pump thread, after its n-th engine call of this process's session, before recording
 its tokens: a kill at a moment in the generation stream; it first prints a line with the
-tokens generated so far), `restart` (run.resume=restart moving the history aside, after its
+tokens generated so far), `env_submit` (the pump thread, at its n-th env step request of this
+session: the step is requested, its result not yet recorded), `restart` (run.resume=restart moving the history aside, after its
 n-th item is moved), `export` (1: the new export written beside `--out`, not swapped in; 2:
 swapped in, the previous one not yet removed). Does not own: anything else; with the variables unset every
 call is a dictionary lookup.

@@ -36,6 +36,7 @@ from async_rl.buffer.journal_format import (
     FORMAT,
     Entry,
     Segment,
+    encode_episode,
     encode_header,
     encode_sample,
     layout_of,
@@ -54,6 +55,7 @@ class Usage:
     groups: set = field(default_factory=set)  # (epoch, prompt_id) that received journaled samples
     samples: int = 0
     tokens: int = 0  # tokens supplied (beyond a restored partial sample's)
+    env_steps: int = 0  # env steps of multi-turn episodes supplied (never requested again)
     unused: Counter = field(default_factory=Counter)  # reason -> samples not used
 
 
@@ -186,14 +188,17 @@ class Journal:
 
     def _choose(self, g: Group, si: int, es: list[Entry], latest: int) -> None:
         first_failure, waiting = None, None
-        for e in sorted(es, key=lambda e: -e.vmin):  # freshest first
+        # the furthest first (finished, then most env steps), then the freshest
+        for e in sorted(es, key=lambda e: (not e.done, -e.turns, -e.vmin)):
             why = self._check(g, g.samples[si], e, latest)
             if why is None:
                 self._fill(g, si, e)
                 return
             if why == "wait":
                 waiting = waiting or e
-            else:
+                if e.episode is not None:  # taking a nearer record now would ask its later env steps again
+                    break
+            elif why != "superseded":
                 first_failure = first_failure or (e, *why)
         if waiting is not None:
             self.waits.setdefault(g.ordinal, {})[si] = (g, waiting)
@@ -201,20 +206,26 @@ class Journal:
             self._unused(g, si, *first_failure)
 
     def _check(self, g: Group, s: Sample, e: Entry, latest: int):
-        """None (use it), "wait" (its weights are not published yet) or (reason, why)."""
+        """None (use it), "wait" (its weights are not published yet), "superseded" (an episode's
+        progress the restored sample has already) or (reason, why)."""
         if e.prompt_crc != prompt_crc(g.prompt_tokens):
             return "mismatch", "prompt tokens differ"
-        if not (np.isfinite(e.logprobs).all() and np.isfinite(e.reward)):
+        if not (np.isfinite(e.logprobs).all() and (np.isfinite(e.reward) or not e.done)):
             # made by weights that had diverged (a session stopped on a non-finite loss)
             return "non_finite", "non-finite behaviour logprobs or reward"
         same = e.layout == self.layout
         if (same or self.deterministic) and e.ordinal != g.ordinal:
             return "mismatch", f"stream ordinal {e.ordinal}, the group has {g.ordinal}"
         k = len(s.tokens)
-        if k and not (len(e.tokens) > k and e.tokens[:k].tolist() == s.tokens
-                      and e.versions[:k].tolist() == s.versions
-                      and np.array_equal(e.logprobs[:k], np.asarray(s.logprobs, np.float32))):
+        if not e.done and e.turns <= len(s.turns) and len(e.tokens) <= k:
+            return "superseded"  # an env step's progress the checkpoint already has
+        further = len(e.tokens) > k or e.turns > len(s.turns) or (e.done and not s.done)
+        if not further or (k and not (e.tokens[:k].tolist() == s.tokens and e.versions[:k].tolist() == s.versions
+                                      and np.array_equal(e.logprobs[:k], np.asarray(s.logprobs, np.float32)))):
             return "mismatch", f"does not continue the checkpoint's {k} tokens of this sample"
+        if s.turns and [t["key"] for t in (e.episode or {}).get("turns", [])[:len(s.turns)]] != \
+                [t["key"] for t in s.turns]:
+            return "mismatch", "does not continue the checkpoint's env steps of this sample"
         if self.deterministic:
             req = self.sampler.required_version(g)
             if e.vmin != req or e.vmax != req:
@@ -234,7 +245,7 @@ class Journal:
                 why = self._check(g, g.samples[si], e, latest)
                 if why is None:
                     self._fill(g, si, e)
-                else:
+                elif why not in ("wait", "superseded"):
                     self._unused(g, si, e, *why)
             if not per:
                 del self.waits[o]
@@ -263,9 +274,12 @@ class Journal:
         s.tokens.extend(e.tokens[k:].tolist())
         s.logprobs.extend(e.logprobs[k:].tolist())
         s.versions.extend(e.versions[k:].tolist())
-        s.done, s.reward = True, float(e.reward)
+        if e.episode is not None:
+            self.usage.env_steps += e.turns - len(s.turns)
+            s.set_episode(e.episode)
+        s.done, s.reward = e.done, float(e.reward) if e.done else None
         self.usage.groups.add((g.epoch, g.prompt_id))
-        self.usage.samples += 1
+        self.usage.samples += e.done
         self.usage.tokens += len(e.tokens) - k
         if g.state == State.READY:
             self.sampler.on_ready(g, self.latest)
@@ -294,7 +308,14 @@ class Journal:
 
     def encode(self, g: Group, s: Sample, reward: float) -> bytes:
         si = next(i for i, x in enumerate(g.samples) if x is s)
+        if s.episode is not None:
+            return encode_episode(g, si, s, reward, prompt_crc(g.prompt_tokens))
         return encode_sample(g, si, s, reward, prompt_crc(g.prompt_tokens))
+
+    def encode_progress(self, g: Group, s: Sample) -> bytes:
+        """A multi-turn episode after an env step was recorded (its result is never asked again)."""
+        si = next(i for i, x in enumerate(g.samples) if x is s)
+        return encode_episode(g, si, s, None, prompt_crc(g.prompt_tokens))
 
     def append(self, records: list[bytes]) -> None:
         """Queues records of samples whose rewards were just set (under the ledger lock, so a
@@ -432,14 +453,16 @@ class Journal:
         u = self.usage
         return {"rollout/journal_groups": len(u.groups), "rollout/journal_samples": u.samples,
                 "rollout/journal_tokens": u.tokens, "rollout/journal_unused": sum(u.unused.values()),
+                "rollout/journal_env_steps": u.env_steps,
                 "perf/journal_write_frac": self.write_s / busy_s if busy_s > 0 else 0.0,
                 "perf/journal_sync_s": self.sync_s}
 
     def summary(self) -> str:
         u = self.usage
         unused = ", ".join(f"{k} {v}" for k, v in sorted(u.unused.items()))
-        return (f"journal: supplied {len(u.groups)} groups ({u.samples} samples, {u.tokens} tokens) instead of "
-                f"generating them again" + (f"; {sum(u.unused.values())} samples not used ({unused}; see "
+        steps = f", {u.env_steps} env steps" if u.env_steps else ""
+        return (f"journal: supplied {len(u.groups)} groups ({u.samples} samples, {u.tokens} tokens{steps}) instead "
+                f"of generating them again" + (f"; {sum(u.unused.values())} samples not used ({unused}; see "
                                             "drops.jsonl)" if u.unused else ""))
 
     def restore(self, ledger, sampler, step: int) -> str | None:
@@ -455,8 +478,9 @@ class Journal:
         u = self.usage
         waiting = sum(len(v) for v in self.waits.values())
         _, rest, _ = self.available()
-        return (f"journal: {held} finished samples ({held_tokens} tokens) from earlier sessions; {u.samples} "
-                f"samples ({u.tokens} tokens) of restored groups taken from it"
+        steps = f" and {u.env_steps} env steps" if u.env_steps else ""
+        return (f"journal: {held} records ({held_tokens} tokens) from earlier sessions; {u.samples} "
+                f"finished samples ({u.tokens} tokens){steps} of restored groups taken from it"
                 + (f", {waiting} waiting for the weights that made them" if waiting else "")
                 + f", up to {rest} more as the stream reaches their groups")
 

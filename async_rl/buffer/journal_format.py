@@ -1,8 +1,8 @@
 """The rollout journal's files: record framing, encoding and reading back.
 
 Owns: the byte layout of a journal record (`magic | payload bytes | crc32 | payload`; a
-header record opening each segment, then one record per finished sample), encoding a
-sample, splitting a segment into records with valid checksums (corrupt ranges and a torn
+header record opening each segment, then one record per finished sample, and for multi-turn
+episodes one per recorded env step too), encoding a sample, splitting a segment into records with valid checksums (corrupt ranges and a torn
 tail reported, not guessed at), decoding them into `Entry`s, and the sampling signature a
 segment is written under. Does not own: when records are written, which are used, or which
 files are deleted (journal).
@@ -19,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from async_rl.buffer.ledger import Group, Sample
+from async_rl.buffer.ledger import OBSERVATION, Group, Sample
 from async_rl.store import applog
 
 MAGIC = b"\xa5JR1"
 _FRAME = struct.Struct("<4sII")  # magic, payload bytes, crc32 of the payload
 _SAMPLE = struct.Struct("<BqqqiiIId")  # kind, epoch, prompt_id, ordinal, sample, regenerations, prompt crc, n, reward
-KIND_HEADER, KIND_SAMPLE = 0, 1
+_EPISODE = struct.Struct("<?I")  # after a sample's fields: done, bytes of the episode's JSON
+KIND_HEADER, KIND_SAMPLE, KIND_EPISODE = 0, 1, 2
 FORMAT = 1
 
 
@@ -50,6 +51,16 @@ def encode_sample(g: Group, si: int, s: Sample, reward: float, crc: int) -> byte
                                          n, reward, *s.tokens, *s.logprobs, *s.versions))
 
 
+def encode_episode(g: Group, si: int, s: Sample, reward: float | None, crc: int) -> bytes:
+    """A multi-turn episode's sample: finished (with its reward), or its progress after an env
+    step (reward None), with the episode's turns and env state."""
+    n, ep = len(s.tokens), json.dumps(s.episode or {}, sort_keys=True, separators=(",", ":")).encode()
+    done = reward is not None
+    head = _sample_struct(n).pack(KIND_EPISODE, g.epoch, g.prompt_id, g.ordinal, si, g.regenerations, crc, n,
+                                  reward if done else float("nan"), *s.tokens, *s.logprobs, *s.versions)
+    return _frame(head + _EPISODE.pack(done, len(ep)) + ep)
+
+
 def encode_header(doc: dict) -> bytes:
     return _frame(bytes([KIND_HEADER]) + json.dumps(doc, sort_keys=True).encode())
 
@@ -69,25 +80,46 @@ class Entry:
     versions: np.ndarray  # int32 [n]
     layout: tuple  # (data partition generation, process index, process count) of the writer
     where: str  # file:offset, for messages
+    done: bool = True  # False: a multi-turn episode's progress after an env step
+    episode: dict | None = None  # the episode's turns and env state (multi-turn samples)
 
     @property
     def vmin(self) -> int:
-        return int(self.versions.min())
+        v = self.versions[self.versions != OBSERVATION]
+        return int(v.min()) if v.size else -1
 
     @property
     def vmax(self) -> int:
         return int(self.versions.max())
+
+    @property
+    def turns(self) -> int:
+        return len(self.episode["turns"]) if self.episode else 0
 
 
 def _decode_sample(p: bytes, layout: tuple, where: str) -> Entry | None:
     if len(p) < _SAMPLE.size:
         return None
     kind, epoch, pid, ordinal, si, regen, crc, n, reward = _SAMPLE.unpack_from(p)
-    if len(p) != _SAMPLE.size + 12 * n or n == 0:
+    end = _SAMPLE.size + 12 * n
+    if n == 0 or len(p) < end or (kind == KIND_SAMPLE and len(p) != end):
         return None
     o = _SAMPLE.size
     t, lp, v = (np.frombuffer(p, dt, n, o + 4 * n * i) for i, dt in enumerate(("<i4", "<f4", "<i4")))
-    return Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout, where)
+    if kind == KIND_SAMPLE:
+        return Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout, where)
+    if len(p) < end + _EPISODE.size:
+        return None
+    done, k = _EPISODE.unpack_from(p, end)
+    if len(p) != end + _EPISODE.size + k:
+        return None
+    try:
+        ep = json.loads(p[end + _EPISODE.size:])
+    except ValueError:
+        return None
+    if not isinstance(ep, dict) or not isinstance(ep.get("turns", []), list):
+        return None
+    return Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout, where, bool(done), ep)
 
 
 def scan(data: bytes) -> tuple[list[tuple[int, bytes]], list[tuple[int, int]], tuple[int, int] | None]:
@@ -141,7 +173,7 @@ def read_segment(path) -> Segment:
     layout = layout_of(header)
     entries = []
     for off, p in recs:
-        if p[:1] == bytes([KIND_SAMPLE]):
+        if p[:1] in (bytes([KIND_SAMPLE]), bytes([KIND_EPISODE])):
             e = _decode_sample(p, layout, f"{path.name}:{off}")
             if e is None:
                 bad.append((off, _FRAME.size + len(p)))
@@ -164,4 +196,12 @@ def signature(cfg, reward: str, stop_ids) -> dict:
     return {"seed": cfg.run.seed, "engine.temperature": e.temperature, "engine.top_k": e.top_k,
             "engine.top_p": e.top_p, "rollout.max_new_tokens": r.max_new_tokens,
             "rollout.samples_per_prompt": r.samples_per_prompt, "rollout.reward": reward,
-            "stop_ids": sorted(int(s) for s in stop_ids)}
+            "stop_ids": sorted(int(s) for s in stop_ids)} | _episode_signature(r)
+
+
+def _episode_signature(r) -> dict:
+    """Multi-turn settings, named only when an env is set (single-turn segments keep their signature)."""
+    if not r.env:
+        return {}
+    return {"rollout.env": r.env, "rollout.env_max_turns": r.env_max_turns,
+            "rollout.turn_max_tokens": r.turn_max_tokens}

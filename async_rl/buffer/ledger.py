@@ -38,6 +38,11 @@ def _gc_paused():
             gc.enable()
 
 
+# the version of an observation token: an env's text in a multi-turn episode, prefilled by the
+# engine, never trained and with no behaviour logprob (docs/envs-and-tools.md)
+OBSERVATION = -1
+
+
 class State(enum.IntEnum):
     PENDING = 0  # drawn, no sample started
     GENERATING = 1  # some sample started and not all finished
@@ -52,10 +57,31 @@ class Sample:
     done: bool = False
     reward: float | None = None
     in_engine: bool = False  # occupies an engine slot right now (never saved)
+    # multi-turn episodes (rollout.env): the env steps recorded, in order, each
+    # {"key", "observation", "role", "at": its first token's index, "n": its tokens}
+    turns: list[dict] = field(default_factory=list)
+    env_state: dict = field(default_factory=dict)  # what the last recorded step returned
+    env_reward: float | None = None  # a final reward the env gave (wins over rollout.reward)
+    awaiting: bool = False  # an assistant turn ended and its env step is not recorded yet
+    in_env: bool = False  # its env step runs now (never saved)
 
     @property
     def started(self) -> bool:
         return self.in_engine or bool(self.tokens)
+
+    @property
+    def episode(self) -> dict | None:
+        """The episode's saved fields (None for a single-turn sample)."""
+        if not (self.turns or self.env_state or self.awaiting or self.env_reward is not None):
+            return None
+        return {"turns": self.turns, "state": self.env_state, "reward": self.env_reward, "awaiting": self.awaiting}
+
+    def set_episode(self, ep: dict | None) -> None:
+        ep = ep or {}
+        self.turns = [dict(t) for t in ep.get("turns", [])]
+        self.env_state = dict(ep.get("state", {}))
+        self.env_reward = ep.get("reward")
+        self.awaiting = bool(ep.get("awaiting", False))
 
 
 @dataclass
@@ -80,7 +106,7 @@ class Group:
 
     @property
     def min_version(self) -> int:
-        vs = [min(s.versions) for s in self.samples if s.versions]
+        vs = [v for s in self.samples for v in s.versions if v != OBSERVATION]
         return min(vs) if vs else -1
 
     def reset(self) -> None:
@@ -170,7 +196,7 @@ class Ledger:
         reset or removed only by the thread that saves, so the recorded prefixes stay put."""
         with self.lock, _gc_paused():
             groups = list(self.groups.values())
-            samples = [[(s, len(s.tokens), s.done, s.reward) for s in g.samples] for g in groups]
+            samples = [[(s, len(s.tokens), s.done, s.reward, _episode_json(s)) for s in g.samples] for g in groups]
             ints = [(g.ordinal, g.prompt_id, g.epoch, -1 if g.target_step is None else g.target_step,
                      g.regenerations) for g in groups]
             counters = {"samples_per_prompt": self.samples_per_prompt, "next_ordinal": self.next_ordinal,
@@ -206,12 +232,16 @@ class Ledger:
         tokens, logprobs, versions = a["tokens"].tolist(), a["logprobs"].tolist(), a["versions"].tolist()
         done, reward = a["done"].tolist(), a["reward"].tolist()
         texts = _unpack_texts(a["text_bytes"], a["text_lens"])
+        episodes = _unpack_texts(a["episode_bytes"], a["episode_lens"]) if "episode_lens" in a else None
         for i, (ordinal, pid, epoch, step, regen) in enumerate(a["group_ints"].tolist()):
             samples = []
             for j in range(i * S, (i + 1) * S):
                 lo, hi = s_off[j], s_off[j + 1]
-                samples.append(Sample(tokens=tokens[lo:hi], logprobs=logprobs[lo:hi], versions=versions[lo:hi],
-                                      done=done[j], reward=None if reward[j] != reward[j] else reward[j]))
+                smp = Sample(tokens=tokens[lo:hi], logprobs=logprobs[lo:hi], versions=versions[lo:hi],
+                             done=done[j], reward=None if reward[j] != reward[j] else reward[j])
+                if episodes is not None and episodes[j]:
+                    smp.set_episode(json.loads(episodes[j]))
+                samples.append(smp)
             led.groups[ordinal] = Group(
                 ordinal=ordinal, prompt_id=pid, epoch=epoch, prompt=texts[2 * i], answer=texts[2 * i + 1],
                 prompt_tokens=a["prompt_tokens"][p_off[i]:p_off[i + 1]].copy(), samples=samples,
@@ -222,7 +252,7 @@ class Ledger:
 @dataclass
 class Capture:
     groups: list[Group]
-    samples: list[list[tuple]]  # per group, per sample: (Sample, tokens at the cut, done, reward)
+    samples: list[list[tuple]]  # per group, per sample: (Sample, tokens at the cut, done, reward, episode JSON)
     ints: list[tuple]  # per group: ordinal, prompt_id, epoch, target_step (-1 = none), regenerations
     counters: dict
 
@@ -236,7 +266,7 @@ class Capture:
         n = sum(x[1] for x in flat)
 
         def cat(attr, dt):
-            it = itertools.chain.from_iterable(getattr(smp, attr)[:k] for smp, k, _, _ in flat)
+            it = itertools.chain.from_iterable(getattr(smp, attr)[:k] for smp, k, *_ in flat)
             return np.fromiter(it, dt, count=n)
 
         groups = self.groups
@@ -255,7 +285,15 @@ class Capture:
             "text_bytes": text_bytes,
             "text_lens": text_lens,
         }
+        if any(x[4] for x in flat):  # multi-turn episodes: one JSON text per sample ("" = none)
+            arrays["episode_bytes"], arrays["episode_lens"] = _pack_texts([x[4] for x in flat])
         return LedgerSnapshot(header=dict(self.counters), arrays=arrays)
+
+
+def _episode_json(s: Sample) -> str:
+    ep = s.episode
+    # turns only grow and the state is replaced, never changed in place: what is read now is the cut
+    return "" if ep is None else json.dumps(ep, sort_keys=True, separators=(",", ":"))
 
 
 def _pack_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -320,6 +358,8 @@ class LedgerSnapshot:
         _lengths("prompt_lens", a["prompt_lens"], G, a["prompt_tokens"], minimum=1)
         _lengths("sample_lens", a["sample_lens"], G * S, a["tokens"])
         _lengths("text_lens", a["text_lens"], 2 * G, a["text_bytes"])
+        if "episode_lens" in a:
+            _lengths("episode_lens", a["episode_lens"], G * S, a["episode_bytes"])
         n = len(a["tokens"])
         if len(a["logprobs"]) != n or len(a["versions"]) != n:
             raise ValueError(f"tokens {n}, logprobs {len(a['logprobs'])}, versions {len(a['versions'])}")
@@ -331,8 +371,8 @@ class LedgerSnapshot:
         if G and (pid.min() < 0 or epoch.min() < 0 or target.min() < -1 or regen.min() < 0):
             raise ValueError("negative prompt_id, epoch, target step or regeneration count")
         v = a["versions"]
-        if n and (v.min() < 0 or (max_version is not None and v.max() > max_version)):
-            raise ValueError(f"token versions in [{v.min()}, {v.max()}], outside [0, {max_version}]")
+        if n and (v.min() < OBSERVATION or (max_version is not None and v.max() > max_version)):
+            raise ValueError(f"token versions in [{v.min()}, {v.max()}], outside [{OBSERVATION}, {max_version}]")
         if n and (a["tokens"].min() < 0 or not np.all(np.isfinite(a["logprobs"]))):
             raise ValueError("negative token ids or non-finite logprobs")
         r = a["reward"]

@@ -178,10 +178,18 @@ class ChatTemplate:
     def __call__(self, text: str) -> str:
         return self._bounded(lambda: self._render(text), "failed to render a prompt")
 
+    def messages(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """A conversation in the model's chat format (a multi-turn episode's observations)."""
+        return self._bounded(lambda: self._render_messages(messages, add_generation_prompt),
+                             "failed to render an episode's messages")
+
     def _render(self, text: str) -> str:
+        return self._render_messages([{"role": "user", "content": text}], True)
+
+    def _render_messages(self, messages: list[dict], add_generation_prompt: bool) -> str:
         out, n = [], 0
-        for piece in self._template.generate(messages=[{"role": "user", "content": text}],
-                                             add_generation_prompt=True, **self._specials):
+        for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             **self._specials):
             n += len(piece)
             if n > RENDER_MAX_CHARS:
                 raise _TooLarge("its output")

@@ -224,7 +224,7 @@ class PromptDataset:
 
 # --- synthetic tasks -------------------------------------------------------------------
 
-_TASK_SALT = {"reverse": 1, "addition": 2, "word_problem": 3, "lookup": 4}
+_TASK_SALT = {"reverse": 1, "addition": 2, "word_problem": 3, "lookup": 4, "recall": 5}
 
 
 def _digits(rng: np.random.Generator, n: int, leading_zero: bool) -> str:
@@ -243,8 +243,9 @@ def synthetic_record(task: str, seed: int, prompt_id: int, min_digits: int, max_
     if task == "word_problem":
         prompt, answer = word_problems.record(rng, min_digits, max_digits)
         return {"prompt_id": prompt_id, "prompt": prompt, "answer": answer}
-    if task == "lookup":  # the answer is in a table only rollout.env=lookup's tool reads
-        prompt, answer = tool_tasks.record(rng, seed, min_digits, max_digits)
+    if task in ("lookup", "recall"):  # the answer is in a table only the task's env reads
+        make = tool_tasks.record if task == "lookup" else tool_tasks.recall_record
+        prompt, answer = make(rng, seed, min_digits, max_digits)
         return {"prompt_id": prompt_id, "prompt": prompt, "answer": answer}
     a = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=False)
     b = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=False)
@@ -256,7 +257,7 @@ def _longest_synthetic_prompt(task: str, max_digits: int) -> list[str]:
         return word_problems.longest_prompts(max_digits)
     if task == "lookup":
         return tool_tasks.longest_prompts(max_digits)
-    return ["9" * max_digits + ("=" if task == "reverse" else "+" + "9" * max_digits + "=")]
+    return ["9" * max_digits + ("=" if task in ("reverse", "recall") else "+" + "9" * max_digits + "=")]
 
 
 class _Synthetic:

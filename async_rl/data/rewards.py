@@ -22,7 +22,8 @@ from async_rl.config import ConfigError, load_callable
 RewardFn = Callable[[str, str], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
-_TASK_REWARDS = {"reverse": "reverse", "addition": "addition", "word_problem": "math_answer", "lookup": "exact_match"}
+_TASK_REWARDS = {"reverse": "reverse", "addition": "addition", "word_problem": "math_answer", "lookup": "exact_match",
+                 "recall": "digits"}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -44,6 +45,7 @@ def _positional(out: str, target: str) -> float:
 
 
 @register_reward("reverse")
+@register_reward("digits")
 def reverse_reward(completion: str, answer: str) -> float:
     """Fraction of positions right, counted from the left; extra or missing characters cost,
     and a missing one half a position more than a wrong one (at floor 0). Were stopping short

@@ -259,6 +259,30 @@ class HFTokenizer:
             text = self._chat_prefix + text + self._chat_suffix
         return text + self.reply_prefix
 
+    def render_observation(self, text: str, role: str = "tool", closed: bool = True) -> list[int]:
+        """The tokens that follow an assistant reply in a multi-turn episode: the end of the
+        reply's turn as the chat format writes it (the end-of-turn token too when the reply was
+        cut before it: `closed=False`), the observation as a `role` message, and the next
+        assistant turn's opening. Only with tokenizer.chat; otherwise observations are raw text."""
+        if not self._chat_prefix:
+            return self.encode(text)
+        end = self._tok.id_to_token(self.stop_ids[-1])  # the chat format's end-of-turn token
+        if self._chat_template is not None:
+            user, reply = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}
+            base = self._chat_template.messages([user, reply], False)
+            full = self._chat_template.messages([user, reply, {"role": role, "content": text}], True)
+            cut = base.rfind(end)
+            if not full.startswith(base) or cut < 0:
+                raise ValueError(f"{self.path}: the chat template does not render an observation after a reply "
+                                 "as a continuation of that reply")
+            after = base[cut + len(end):] + full[len(base):]
+        elif self._has(_CHATML):
+            after = f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        else:
+            after = f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>" \
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        return self.encode(("" if closed else end) + after + self.reply_prefix)
+
     def encode(self, text: str) -> list[int]:
         # Special-token strings in the text are matched, as apply_chat_template does.
         return list(self._tok.encode(text, add_special_tokens=False).ids)

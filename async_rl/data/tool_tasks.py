@@ -1,4 +1,4 @@
-"""The `lookup` task: prompts a policy can only answer by calling a tool, and its built-in env.
+"""The tool tasks: prompts a policy can only answer by calling a tool, and their built-in envs.
 
 Owns: the table (a value for every key, a pure function of `data.seed` and the key that only
 the tool reads), the task's prompts and answers (`data.task=lookup`; `data` streams them), and
@@ -8,6 +8,12 @@ scoring the final reply (`rewards`: the task's reward is `exact_match` on the va
 
 The prompt shows the exact call to make, so what the policy has to learn is to copy the call,
 then copy the value the tool returns; without the tool the value is a guess (one in 10^4).
+
+`recall` is the same table in the synthetic character vocabulary, for the tiny policy: the
+prompt is a key and `=`; the first reply is the call (`rollout.env=recall`: the tool reads the
+key from the prompt, not from the reply), answered with the key's value and `=`; the second
+reply is the answer. What the policy learns is to use the tool's answer; without it the value
+is a guess (a tenth of its digits right, on average).
 """
 
 from __future__ import annotations
@@ -91,3 +97,25 @@ class LookupEnv:
             results.append(f"error: {len(calls) - MAX_CALLS} more tool calls than the {MAX_CALLS} a reply may make")
         state = {**state, "tool_calls": int(state.get("tool_calls", 0)) + len(calls)}
         return {"observation": "\n".join(results), "done": False, "state": state, "reward": None, "role": "tool"}
+
+
+# --- recall: the table in the character vocabulary --------------------------------------------
+
+def recall_record(rng: np.random.Generator, seed: int, min_digits: int, max_digits: int) -> tuple[str, str]:
+    n = int(rng.integers(min_digits, max_digits + 1))
+    key = str(int(rng.integers(10 ** (n - 1) if n > 1 else 1, 10 ** n)))
+    return f"{key}=", lookup_value(seed, key)
+
+
+class RecallEnv:
+    """`rollout.env=recall`: the first reply gets the value of the prompt's key and `=`; the
+    second ends the episode (the answer, scored by the task's reward)."""
+
+    def __init__(self, seed: int, max_turns: int = 2):
+        self.seed, self.max_turns = seed, max_turns
+
+    def step(self, key, messages: list[dict], state: dict) -> dict:
+        if key.turn > 0:
+            return {"observation": None, "done": True, "state": state}
+        value = lookup_value(self.seed, messages[0]["content"].rstrip("="))
+        return {"observation": f"{value}=" if value is not None else "-=", "done": False, "state": {"calls": 1}}

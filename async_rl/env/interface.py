@@ -141,11 +141,14 @@ def _builtin(name: str, cfg):
     if name == "lookup":
         from async_rl.data.tool_tasks import LookupEnv
         return LookupEnv(seed=cfg.data.seed, max_turns=cfg.rollout.env_max_turns)
+    if name == "recall":
+        from async_rl.data.tool_tasks import RecallEnv
+        return RecallEnv(seed=cfg.data.seed, max_turns=cfg.rollout.env_max_turns)
     from async_rl.env.mcp import MCPEnv
     return MCPEnv(cfg.rollout.mcp_server, max_turns=cfg.rollout.env_max_turns)
 
 
-BUILTIN_ENVS = ("lookup", "mcp")
+BUILTIN_ENVS = ("lookup", "recall", "mcp")
 
 
 def load_env(spec: str, cfg=None):
@@ -192,10 +195,11 @@ class EnvRunner:
     bounded by `timeout_s` from the moment it starts running. `submit` returns at once; `poll`
     returns the steps finished since the last poll, each with its StepResult or its EnvError."""
 
-    def __init__(self, env, *, max_concurrent: int, timeout_s: float, name: str = "env"):
+    def __init__(self, env, *, max_concurrent: int, timeout_s: float, name: str = "env", on_done=None):
         if max_concurrent < 1 or not timeout_s > 0:
             raise ValueError(f"max_concurrent={max_concurrent} must be >= 1 and timeout_s={timeout_s} > 0")
         self.env, self.max_concurrent, self.timeout_s, self.name = env, max_concurrent, timeout_s, name
+        self.on_done = on_done  # called (no arguments, outside the runner's lock) when a step finishes
         self.is_async = inspect.iscoroutinefunction(env.step)
         self._lock = threading.Lock()
         self._done: list[tuple[StepHandle, StepResult | EnvError]] = []
@@ -279,6 +283,8 @@ class EnvRunner:
     def _finish(self, h: StepHandle, result) -> None:
         with self._lock:
             self._finish_locked(h, result)
+        if self.on_done is not None:
+            self.on_done()
 
     def _finish_locked(self, h: StepHandle, result) -> None:
         if h.finished:  # timed out already: a late result is dropped

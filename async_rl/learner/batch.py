@@ -25,7 +25,7 @@ class Row(NamedTuple):
     prompt_tokens: np.ndarray  # int32 [L]
     tokens: np.ndarray  # int32 [n] completion tokens (EOS included when drawn)
     logprobs: np.ndarray  # float32 [n] behaviour logprobs from the engine
-    versions: np.ndarray  # int32 [n] policy version that produced each token
+    versions: np.ndarray  # int32 [n] policy version that produced each token (-1: an env's observation)
     reward: float
     truncated: bool = False  # stopped at rollout.max_new_tokens without a stop token
 
@@ -98,7 +98,7 @@ def build_batch(rows: Sequence[Row], *, n_rows: int, prompt_len: int, max_new: i
         positions[r, P - L:] = np.arange(T - (P - L))
         comp[r, :n] = row.tokens
         behav[r, :n] = row.logprobs
-        mask[r, :n] = True
+        mask[r, :n] = np.asarray(row.versions) >= 0  # an env's observation tokens are not trained
         versions[r, :n] = row.versions
         rewards[r] = row.reward
         row_valid[r] = True

@@ -88,6 +88,8 @@ class Rates:
                "rollout/generated_tokens": stats.tokens, "perf/swap_s": stats.swap_s - self._swap}
         if learner_idle is not None:
             out["perf/learner_idle_frac"] = learner_idle
+        if stats.env_submitted:  # multi-turn episodes: env steps asked for and recorded (cumulative)
+            out["rollout/env_steps"], out["rollout/env_requested"] = stats.env_steps, stats.env_submitted
         self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
         self._swap = stats.swap_s
         return out

@@ -26,6 +26,7 @@ from async_rl import faults, signals
 from async_rl.buffer.ledger import Group, Ledger, Sample, State
 from async_rl.data.rewards import as_real
 from async_rl.data.tokenizer import completion_text
+from async_rl.env.interface import EnvError
 from async_rl.errors import RunFailure
 from async_rl.rollout.interface import BuiltinRollout, Rollout, Start
 from async_rl.rollout.scheduler import Fill, Piece, Scheduler, SlotStats
@@ -37,17 +38,28 @@ class PumpStats(SlotStats):  # busy_s and calls: the scheduler's
     tokens: int = 0  # tokens generated (kept in the ledger)
     swaps: int = 0
     swap_s: float = 0.0  # time loading published weights into the rollout backend
+    env_steps: int = 0  # env steps recorded (multi-turn episodes)
+    env_submitted: int = 0  # env steps requested
 
 
 class Pump:
     def __init__(self, *, ledger: Ledger, sampler, engine: Rollout | object, iterator, tokenizer, reward_fn,
                  max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
-                 journal=None, prefill_rows: int = 32, reward_timeout_s: float = 60.0):
+                 journal=None, prefill_rows: int = 32, reward_timeout_s: float = 60.0, episodes=None, env=None,
+                 on_env_request=None):
         self.ledger, self.sampler, self.engine = ledger, sampler, engine
         self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
         self.N, self.partial, self.deterministic = max_new_tokens, partial, deterministic
         self.log = log
+        # multi-turn episodes (rollout.env): the rules (`episode.Episodes`) and the env's runner;
+        # an env step runs off this thread while the engine generates for other slots
+        self.episodes, self.env = episodes, env
+        self.on_env_request = on_env_request  # told each step's key before the step is asked for
+        self._env_steps: dict[int, tuple] = {}  # runner seq -> (group, sample index, sample)
+        self._resubmit = env is not None  # look for samples whose env step is not running (start-up)
+        if deterministic and env is not None:
+            raise ValueError("run.determinism: not with rollout.env (env steps finish in any order)")
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
         # the backend that generates: a `Rollout`, or the built-in engine behind its adapter
         self.rollout: Rollout = engine if isinstance(engine, Rollout) else BuiltinRollout(
@@ -105,6 +117,12 @@ class Pump:
                      "the process exits without waiting for it")
             signals.left_running(self._thread.name)
         self._watcher.join(timeout=60)
+        if self.env is not None:
+            left = self.env.close(5.0)
+            if left:
+                self.log(f"stopping: left {len(left)} env steps running ({', '.join(left[:3])})")
+                for name in left:
+                    signals.left_running(name)
         self._to_reward.put(None)  # after the pump thread: it queues until it exits
         end = time.monotonic() + 60
         while self._rewarder.is_alive() and time.monotonic() < end and self.error is None:
@@ -202,12 +220,18 @@ class Pump:
         records, then pick samples for the `free` slots. With nothing to start and no slot in
         use, waits a moment for a change (the scheduler asks again)."""
         self._maybe_swap()
+        if self.env is not None:
+            self._env_results()
         if self.journal is not None and self.journal.waits:
             self.journal.apply(self.latest)
+            self._resubmit = self.env is not None
+        if self._resubmit:
+            self._env_backlog()
         picks = self._pick(free)
         if not picks and not busy:
             if self.journal is not None and self.journal.waits:
                 self.journal.idle(self.latest, self.sampler.pps)
+                self._resubmit = self.env is not None
             t0 = time.perf_counter()
             self.ledger.changed.wait(0.05)
             self.stats.idle_s += time.perf_counter() - t0
@@ -226,11 +250,65 @@ class Pump:
             s.versions += p.versions
             self.stats.tokens += len(p.tokens)
             if p.ended:
-                s.done, s.in_engine = True, False
-                finished.append((g, s))
+                s.in_engine = False
+                if self.env is None or len(s.tokens) >= self.N:
+                    s.done = True
+                    finished.append((g, s))
+                else:  # an assistant turn ended: the env answers it, off this thread
+                    self._submit_env(g, p.occupant[1], s)
         self.ledger.changed.notify_all()
         if finished:
             self._to_reward.put((finished, version))
+
+    # ---- env steps of multi-turn episodes (pump thread, under the lock) ------------------
+
+    def _submit_env(self, g: Group, si: int, s: Sample) -> None:
+        s.awaiting, s.in_env = True, True
+        key = self.episodes.key(g, si, s)
+        if self.on_env_request is not None:
+            self.on_env_request(key)
+        h = self.env.submit(key, self.episodes.messages(g, s), s.env_state)
+        self._env_steps[h.seq] = (g, si, s)
+        self.stats.env_submitted += 1
+        faults.point("env_submit", self.stats.env_submitted, self._progress)
+
+    def _env_backlog(self) -> None:
+        """Samples waiting for an env step that is not running: restored from a checkpoint taken
+        while it ran (the step is asked again, with the same key), or whose journaled result
+        turned out unusable."""
+        self._resubmit = False
+        waits = self.journal.waits if self.journal is not None else {}
+        for g in list(self.ledger.groups.values()):
+            for si, s in enumerate(g.samples):
+                if s.awaiting and not s.in_env and not s.done and not (waits and self.journal.waiting(g.ordinal, si)):
+                    self._submit_env(g, si, s)
+
+    def _env_results(self) -> None:
+        """Records the env steps finished since the last turn: each observation enters its
+        sample's token stream (masked), or the episode ends and goes to its reward."""
+        done = self.env.poll()
+        if not done:
+            return
+        finished, records = [], []
+        for h, res in done:
+            g, si, s = self._env_steps.pop(h.seq)
+            if isinstance(res, EnvError):
+                raise res
+            if self.ledger.groups.get(g.ordinal) is not g or g.samples[si] is not s:
+                continue  # regenerated (staleness) or dropped while the step ran: not used
+            s.in_env = False
+            applied = self.episodes.apply(s, h.key, res)
+            self.stats.env_steps += 1
+            if applied.ended:
+                s.done = True
+                finished.append((g, s))
+            elif self.journal is not None:
+                records.append(self.journal.encode_progress(g, s))
+        if records:  # with the step's result in the ledger: a checkpoint cut sees both or neither
+            self.journal.append(records)
+        if finished:
+            self._to_reward.put((finished, self.version))
+        self.ledger.changed.notify_all()
 
     def collected(self, calls: int) -> None:
         """Fault points (`faults`): a slowed chunk; a SIGKILL after the n-th, before it is recorded."""
@@ -324,7 +402,8 @@ class Pump:
             for si, s in enumerate(g.samples):
                 if len(picks) == len(free):
                     return
-                if not s.in_engine and not s.done and not (waits and self.journal.waiting(g.ordinal, si)):
+                if not s.in_engine and not s.done and not s.awaiting and \
+                        not (waits and self.journal.waiting(g.ordinal, si)):
                     s.in_engine = True
                     picks.append((free[len(picks)], g, si))
 
@@ -364,7 +443,8 @@ class Pump:
         starts, occupants = [], []
         for slot, g, si in picks:
             toks = tuple(g.samples[si].tokens)
-            starts.append(Start(slot, g.ordinal, si, g.prompt_tokens, toks, self.N - len(toks)))
+            budget = self.N - len(toks) if self.episodes is None else self.episodes.budget(g.samples[si])
+            starts.append(Start(slot, g.ordinal, si, g.prompt_tokens, toks, budget))
             occupants.append((g, si))
             if not toks:
                 self._shared.add(g.ordinal)
@@ -400,7 +480,10 @@ class Pump:
         """Rewards outside the lock (user reward code may be slow), then marks READY groups."""
         scores = []
         for g, s in finished:
-            text = completion_text(self.tok, s.tokens)
+            if s.env_reward is not None:  # the env's final reward wins
+                scores.append(s.env_reward)
+                continue
+            text = completion_text(self.tok, s.tokens) if self.episodes is None else self.episodes.final_reply(s)
             self._in_reward = (time.monotonic(), g)
             try:
                 faults.fail("reward")

@@ -23,6 +23,7 @@ from async_rl.config import Config, ConfigError
 from async_rl.data import dataset as data_mod
 from async_rl.data import rewards
 from async_rl.data.tokenizer import build_tokenizer
+from async_rl.env.interface import load_env
 from async_rl.learner.step import Learner
 from async_rl.model import sharding
 from async_rl.plan import memory
@@ -48,6 +49,7 @@ class Parts:
     local_pps: int  # this process's groups per step
     eval_set: Any = None  # held-out prompts (eval.every_steps > 0, process 0), encoded
     generations: list = field(default_factory=list)  # re-partitions onto other process counts (reshard)
+    env: Any = None  # the multi-turn env object (rollout.env), None for single-turn episodes
 
 
 
@@ -110,6 +112,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     if pd.bad_records:
         log(f"data: skipped {len(pd.bad_records)} bad records (data.on_bad_record=skip)")
     _, reward_fn = rewards.reward_for_config(cfg)
+    env = load_env(cfg.rollout.env, cfg)  # made once per process; a bad one is refused before anything is read
     vocab = cfg.model.vocab_size or tok.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
@@ -124,7 +127,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     ckpt = Checkpointer(run_dir / runfiles.CHECKPOINTS, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,
-                 eval_set=eval_set)
+                 eval_set=eval_set, env=env)
 
 
 

@@ -35,6 +35,7 @@ class EvalSet:
     prompts: list[np.ndarray]  # encoded prompt tokens
     answers: list[str]
     source: str  # for messages: "held-out synthetic:reverse" or the file
+    texts: list[str] = dataclasses.field(default_factory=list)  # the prompts' text (an env reads it)
 
 
 def build_eval_set(cfg: C.Config, tok) -> EvalSet:
@@ -59,7 +60,8 @@ def build_eval_set(cfg: C.Config, tok) -> EvalSet:
         source = f"held-out synthetic:{d.task}"
     return EvalSet(prompt_ids=[int(r["prompt_id"]) for r in records],
                    prompts=[tok.encode_prompt(r["prompt"]) for r in records],
-                   answers=[str(r["answer"]) for r in records], source=source)
+                   answers=[str(r["answer"]) for r in records], source=source,
+                   texts=[str(r["prompt"]) for r in records])
 
 
 class Evaluator:
@@ -69,9 +71,10 @@ class Evaluator:
     (same devices as generation)."""
 
     def __init__(self, cfg: C.Config, graphdef, vocab_size: int, tok, reward_fn, devices=None, rollout=None,
-                 eval_set: EvalSet | None = None):
-        """`eval_set`: the held-out prompts, when already built (train builds them before it writes)."""
-        self.cfg, self.tok, self.reward_fn = cfg, tok, reward_fn
+                 eval_set: EvalSet | None = None, episodes=None):
+        """`eval_set`: the held-out prompts, when already built (train builds them before it writes).
+        `episodes`: (rollout.episode.Episodes, the env object) to score multi-turn episodes."""
+        self.cfg, self.tok, self.reward_fn, self.episodes = cfg, tok, reward_fn, episodes
         self.set = eval_set if eval_set is not None else build_eval_set(cfg, tok)
         self.k = cfg.eval.samples_per_prompt
         greedy = self.k == 1
@@ -99,13 +102,14 @@ class Evaluator:
                  else "; on vLLM" if not isinstance(self.backend, Engine) else "")
         return f"{len(self.set.prompts)} prompts ({self.set.source}; {how}{where})"
 
-    def __call__(self, params) -> dict[str, float]:
-        """`eval/*` metrics of `params` (any layout: they are put on the engine's devices)."""
+    def __call__(self, params, step: int = 0) -> dict[str, float]:
+        """`eval/*` metrics of `params` (any layout: they are put on the engine's devices);
+        `step` names the env steps of multi-turn episodes (their keys' epoch)."""
         if not self.set.prompts:
             return {}
-        return self.summarise(*self.score(params))
+        return self.summarise(*self.score(params, step))
 
-    def score(self, params) -> tuple[np.ndarray, np.ndarray]:
+    def score(self, params, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(reward, completion tokens) of every sample, each [prompts, samples]."""
         # sampling keys come from (seed, ordinal, sample, position): give eval prompts ordinals of
         # their own, far from the training stream's
@@ -114,10 +118,30 @@ class Evaluator:
             params = self.backend.load_params(params)
         elif not self.on_run_engine:
             self.backend.swap(params, 0)
+        if self.episodes is not None:
+            return self._score_episodes(params, ordinals, step)
         comps = generate_all(self.backend, params, self.set.prompts, samples=self.k, eos_id=self._stops,
                              ordinals=ordinals, max_new_tokens=self.cfg.rollout.max_new_tokens)
         scores = np.array([[self._score(c.tokens, ans) for c in per] for per, ans in zip(comps, self.set.answers)])
         return scores, np.array([[len(c.tokens) for c in per] for per in comps])
+
+    def _score_episodes(self, params, ordinals, step: int) -> tuple[np.ndarray, np.ndarray]:
+        from async_rl.env.interface import EnvRunner
+        from async_rl.rollout.decoding import rollout_for
+        from async_rl.rollout.episode import EpisodeRequests
+        eps, env = self.episodes
+        r = self.cfg.rollout
+        runner = EnvRunner(env, max_concurrent=r.env_max_concurrent, timeout_s=r.env_timeout_s, name="eval-env")
+        try:
+            out = EpisodeRequests(self.set.prompts, self.set.texts, self.set.prompt_ids, samples=self.k,
+                                  ordinals=ordinals, episodes=eps, runner=runner,
+                                  epoch=step).run(rollout_for(self.backend, params), self._stops)
+        finally:
+            runner.close()
+        scores = np.array([[s.env_reward if s.env_reward is not None else
+                            float(self.reward_fn(eps.final_reply(s), ans)) for s in per]
+                           for per, ans in zip(out, self.set.answers)])
+        return scores, np.array([[len(s.tokens) for s in per] for per in out])
 
     def summarise(self, scores: np.ndarray, n_tokens: np.ndarray) -> dict[str, float]:
         """`eval/*` metrics of some prompts' rows of `score`'s result."""
@@ -133,11 +157,24 @@ class Evaluator:
 
 
 def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, rollout=None,
-                   eval_set: EvalSet | None = None) -> Evaluator | None:
+                   eval_set: EvalSet | None = None, run_dir=None, env=None, read_only: bool = False
+                   ) -> Evaluator | None:
+    """`env` (or, when None, `rollout.env` loaded here) with `run_dir`, whose identity names the
+    env steps: evaluation runs multi-turn episodes."""
     if not cfg.eval.every_steps:
         return None
     _, reward_fn = rewards.reward_for_config(cfg)
-    return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices, rollout=rollout, eval_set=eval_set)
+    episodes = None
+    if cfg.rollout.env:
+        from async_rl.env.interface import load_env
+        from async_rl.rollout.episode import Episodes
+        from async_rl.store import rundir
+        env = env if env is not None else load_env(cfg.rollout.env, cfg)
+        episodes = (Episodes(run=f"{rundir.run_identity(run_dir, create=not read_only)}/eval", tokenizer=tok, max_turns=env.max_turns,
+                             max_new_tokens=cfg.rollout.max_new_tokens, turn_max_tokens=cfg.rollout.turn_max_tokens),
+                    env)
+    return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices, rollout=rollout, eval_set=eval_set,
+                     episodes=episodes)
 
 
 def eval_slots(cfg: C.Config) -> int:
@@ -169,4 +206,4 @@ def open_eval(run_dir: str | Path, step: int | None = None, overrides: list[str]
     step, params = read_params(dataclasses.replace(run, cfg=cfg), step, warn=warn)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0),
                                                               n_tokens=tok.vocab_size)), nnx.Param)[0]
-    return step, make_evaluator(cfg, graphdef, vocab, tok), params
+    return step, make_evaluator(cfg, graphdef, vocab, tok, run_dir=run.run_dir, read_only=True), params

@@ -92,15 +92,17 @@ class Session:
             from async_rl.rollout.vllm_backend import from_config
             rollout = from_config(cfg, self.stop_ids, parts.tok.vocab_size, params_e, self.step,
                                   spare_slots=eval_slots(cfg) if self.primary else 0)
+        episodes, env_runner = self._episodes(cfg, parts)
         self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=rollout, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,
-                         prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s)
+                         prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s,
+                         episodes=episodes, env=env_runner, on_env_request=self.logs.env_requested)
         self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
                                         devices=list(self.engine.mesh.devices.flat), eval_set=parts.eval_set,
-                                        rollout=rollout if rollout is not self.engine else None
-                                        ) if self.primary else None
+                                        rollout=rollout if rollout is not self.engine else None,
+                                        run_dir=parts.run_dir, env=parts.env) if self.primary else None
         if self.evaluator is not None:
             log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
         self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
@@ -124,6 +126,23 @@ class Session:
         # that heap stalled the pump and the learner loop for 80-100 ms each, once per ~40 steps.
         gc.collect()
         gc.freeze()
+
+    def _episodes(self, cfg, parts):
+        """Multi-turn episodes (rollout.env): their rules and the env's runner; (None, None) without."""
+        if parts.env is None:
+            return None, None
+        from async_rl.env.interface import EnvRunner
+        from async_rl.rollout.episode import Episodes
+        episodes = Episodes(run=rundir.run_identity(parts.run_dir), tokenizer=parts.tok,
+                            max_turns=parts.env.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
+                            turn_max_tokens=cfg.rollout.turn_max_tokens)
+
+        def wake():
+            with self.ledger.changed:
+                self.ledger.changed.notify_all()
+        runner = EnvRunner(parts.env, max_concurrent=cfg.rollout.env_max_concurrent,
+                           timeout_s=cfg.rollout.env_timeout_s, on_done=wake)
+        return episodes, runner
 
     def _on_filtered(self, groups, s):  # sampler, main thread, under the ledger lock
         self.ledger.drop(groups, "zero_variance")
@@ -186,7 +205,7 @@ class Session:
                 self.pump.wait_for_weights(self.step, EVAL_WAIT_S)
             elif self.pump.rollout.version != self.step:
                 self.pump.rollout.swap(self.params_e, self.step)
-        out = self.evaluator(self.params_e)
+        out = self.evaluator(self.params_e, self.step)
         out["perf/eval_s"] = time.perf_counter() - t0
         self.evaluated = self.step
         return out

@@ -57,9 +57,6 @@ def train(cfg: Config, log=None) -> RunResult:
 
 
 def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
-    if cfg.rollout.env:  # refused before anything is written: a run would silently stay single-turn
-        raise ConfigError(f"rollout.env={cfg.rollout.env!r}: multi-turn training is not wired in yet; the envs "
-                          "run on their own (docs/envs-and-tools.md)")
     cfg = hf.resolve(cfg)  # model.hf_path: architecture fields and tokenizer from the HF directory
     if not cfg.run.dir:
         raise ConfigError("run.dir: required (no default): the directory this run writes and resumes from")

@@ -226,7 +226,27 @@ def audit(run_dir: str | Path) -> dict:
             "finished": bool(final and final.get("reason") == "data_exhausted"), "epochs": epochs,
             "checkpoint_step": ckpt["step"] if ckpt else None, "lines_after_checkpoint": len(pending),
             "pending_cut_steps": [min(pending), max(pending)] if pending else None,
-            "problems": problems, "notes": notes}
+            "env_steps": _env_steps(run, rows), "problems": problems, "notes": notes}
+
+
+def _env_steps(run: Path, rows: list[dict]) -> dict | None:
+    """Multi-turn episodes: env steps recorded in consumed groups (their lineage lines), asked for
+    (every process's env_requests log, never cut back), asked again (a step in flight at a kill,
+    asked again after the resume with the same key) and asked but in no consumed episode (in
+    flight, or in groups not consumed yet). None for a single-turn run."""
+    keys: Counter = Counter()
+    for p in storage.glob(run, runfiles.env_requests_glob()):
+        for lineno, raw in enumerate(applog.read(p).splitlines(), 1):
+            try:
+                keys[json.loads(raw)["key"]] += 1
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                raise AuditError(f"{p}:{lineno}: not an env request line") from None
+    recorded = sum(int(r.get("env_steps", 0)) for r in rows)
+    if not keys and not recorded:
+        return None
+    asked = sum(keys.values())
+    return {"recorded": recorded, "requested": asked, "requested_again": asked - len(keys),
+            "unused": max(0, len(keys) - recorded)}
 
 
 def _final(run: Path) -> dict | None:
@@ -257,6 +277,11 @@ def format_report(rep: dict) -> str:
                    f"{lo}{'-' + str(hi) if hi > lo else ''} were written after that checkpoint (a live or killed run); "
                    "a resume cuts them and trains those groups again")
     out += [f"note: {n}" for n in rep["notes"]]
+    env = rep.get("env_steps")
+    if env:
+        out.append(f"env steps: {env['recorded']} recorded in consumed episodes; {env['requested']} requested, "
+                   f"{env['requested_again']} of them again (in flight at a kill), {env['unused']} in no consumed "
+                   "episode")
     out.append(f"{'epoch':>5} {'expected':>9} {'once':>9} {'missing':>9} {'duplicated':>11} {'status':>12}")
     for e in rep["epochs"]:
         status = "ok" if e["ok"] else "FAIL"

@@ -20,6 +20,8 @@ DATA_STREAM_FIELDS = (
     "data.min_digits", "data.max_digits", "data.prompt_field", "data.answer_field", "data.id_field",
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "sampler.name",
 )
+# The saved ledger's half-finished episodes continue only with the env that began them.
+EPISODE_FIELDS = ("rollout.env",)
 # Changing one of these changes the structure of the saved model/optimizer state.
 STATE_FIELDS = (
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
@@ -62,7 +64,7 @@ def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
             if name not in saved.get(g, {}) or saved[g][name] == value:
                 continue
             old = saved[g][name]
-            if key in DATA_STREAM_FIELDS:
+            if key in DATA_STREAM_FIELDS or key in EPISODE_FIELDS:
                 kind = "stream"
             elif key in NO_LOWER_FIELDS and value < old:
                 kind = "lowered"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from async_rl.buffer.ledger import Group
+from async_rl.buffer.ledger import OBSERVATION, Group
 from async_rl.store import applog, runfiles, storage
 from async_rl.store.applog import AppendLog
 from async_rl.store.rundir import storage_error
@@ -81,6 +81,8 @@ class RunLogs:
         # with rollouts off the file keeps what earlier sessions wrote: its size is still
         # recorded at each cut, so that turning them on again later cuts nothing of it
         self._rollouts_off = None if rollouts else runfiles.rollouts(run_dir, process)
+        # env steps asked for (multi-turn episodes): opened at the first, never cut back
+        self.env_requests, self._env_requests_path = None, runfiles.env_requests(run_dir, process)
 
     def _logs(self):
         return [(n, getattr(self, n)) for n in LOGS if getattr(self, n) is not None]
@@ -112,7 +114,10 @@ class RunLogs:
 
     def _row(self, step: int, g: Group) -> dict:
         row = {"step": step, "prompt_id": g.prompt_id, "epoch": g.epoch, "ordinal": g.ordinal,
-               "versions": sorted({v for s in g.samples for v in s.versions})}
+               "versions": sorted({v for s in g.samples for v in s.versions if v != OBSERVATION})}
+        env_steps = sum(len(s.turns) for s in g.samples)
+        if env_steps:  # multi-turn episodes: the env steps recorded in them (the audit counts them)
+            row["env_steps"] = env_steps
         return {**row, "gen": self.gen} if self.gen else row
 
     def trained(self, step: int, groups: list[Group]) -> None:
@@ -124,7 +129,10 @@ class RunLogs:
                                    "prompt_tokens": [int(t) for t in g.prompt_tokens],
                                    "samples": [{"tokens": s.tokens, "versions": s.versions, "reward": s.reward,
                                                 "logprobs": [float(x) for x in s.logprobs],
-                                                "text": self.tok.decode(s.tokens)} for s in g.samples]}
+                                                "text": self.tok.decode(s.tokens)}
+                                               | ({"turns": [{"key": t["key"], "observation": t["observation"]}
+                                                             for t in s.turns]} if s.turns else {})
+                                               for s in g.samples]}
                                   for g in groups])
 
     def filtered(self, step: int, groups: list[Group]) -> None:
@@ -142,7 +150,15 @@ class RunLogs:
         self.drops.append([{**self._row(step, g), "reason": "stale", "what": "rollouts",
                             "tokens": sum(len(s.tokens) for s in g.samples)}])
 
+    def env_requested(self, key) -> None:
+        """An env step about to be asked for (before it is: a kill cannot hide a request)."""
+        if self.env_requests is None:
+            self.env_requests = JsonlLog(self._env_requests_path)
+        self.env_requests.append([{"key": str(key)}])
+
     def close(self) -> None:
         for _, log in self._logs():
             log.close()
+        if self.env_requests is not None:
+            self.env_requests.close()
 

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -178,6 +179,32 @@ def archive_history(path: Path) -> Path:
             faults.point("restart", moved)
     storage.remove(p / runfiles.RESTARTING)
     return dest
+
+
+def run_identity(path, create: bool = True) -> str:
+    """The run's identity: made once (random) by whichever process gets there first, read by
+    every later one and every resume; a restart (run.resume=restart) moves it aside with the
+    history, so the new run gets a new one. `create=False` (read-only commands): "unnamed"
+    where the run has none."""
+    p = path / runfiles.RUN_ID
+    new = secrets.token_hex(8).encode()
+    if not create:
+        return storage.read_text(p).strip() if storage.exists(p) else "unnamed"
+    if storage.is_remote(p):
+        storage.create(p, new)
+    else:  # written whole, then linked in: a kill never leaves an empty identity behind
+        tmp = path / f"{runfiles.RUN_ID}.{os.getpid()}.tmp"
+        tmp.write_bytes(new)
+        try:
+            os.link(tmp, p)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    ident = storage.read_text(p).strip()
+    if not ident.isalnum():
+        raise RunFailure(f"{p}: not a run identity ({ident[:40]!r}); it names this run's env steps, restore it")
+    return ident
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -31,6 +31,7 @@ JOURNAL = "journal"  # the rollout journal: one folder p<i> per process of <seq>
 MARKER = ".checkpointed"  # a checkpoint of the run was committed once: its logs are history from then
 RESTARTING = ".restarting"  # a restart in progress: names the folder the history is moving into
 LOCK = ".lock"  # the run lock (flock file, or the lease object on an object store), + .p<i>
+RUN_ID = "run_id"  # the run's identity, random, made at its first start: env step keys name it
 PROBE = ".probe-"  # the object a start-up check writes and deletes at once, + <host>-<pid>
 # the append-only logs of one process, cut back to a checkpoint's sizes on resume (I5)
 LOGS = {
@@ -43,9 +44,11 @@ LOGS = {
 # ---- patterns ------------------------------------------------------------------------
 LOG_SUFFIX = ".jsonl"
 PER_PROCESS_LOG = re.compile(r"(lineage|drops|rollouts|metrics)(?:\.p(\d+))?\.jsonl")
-HISTORY = tuple(f"{kind}*{LOG_SUFFIX}" for kind in LOGS)  # every process's logs: a fresh start never truncates these
+# every env step a process asked for (multi-turn episodes), never cut back: what the world saw
+ENV_REQUESTS = "env_requests"
+HISTORY = tuple(f"{kind}*{LOG_SUFFIX}" for kind in (*LOGS, ENV_REQUESTS))  # a fresh start never truncates these
 HISTORY_DIRS = (CHECKPOINTS, DAMAGED, TB, JOURNAL, WANDB)
-MANIFESTS = (CONFIG, DATA, FINAL, REWARD_PLOT, MARKER, WANDB_STATE)  # moved aside with the history
+MANIFESTS = (CONFIG, DATA, FINAL, REWARD_PLOT, MARKER, WANDB_STATE, RUN_ID)  # moved aside with the history
 JOURNAL_SEGMENT = re.compile(r"(\d+)\.jrn")
 JOURNAL_PROCESS = re.compile(r"p(\d+)")
 JOURNAL_PROCESS_GLOB = "p*"
@@ -85,6 +88,14 @@ def rollouts(run_dir, i: int = 0):
 
 def metrics(run_dir, i: int = 0):
     return log(run_dir, "metrics", i)
+
+
+def env_requests(run_dir, i: int = 0):
+    return run_dir / f"{ENV_REQUESTS}{_suffix(i)}{LOG_SUFFIX}"
+
+
+def env_requests_glob() -> str:
+    return f"{ENV_REQUESTS}*{LOG_SUFFIX}"
 
 
 def process_of_log(name: str, kind: str | None = None) -> int:

@@ -159,6 +159,28 @@ SYSTEM_CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'syst
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+@pytest.mark.parametrize("own_template", [True, False])
+def test_an_episode_with_observations_reads_as_the_chat_format_writes_it(tmp_path, own_template):
+    """Prompt, a reply ended by its end-of-turn token, then the observation's tokens: together
+    the conversation the model's template renders (or the built-in ChatML, without one)."""
+    pytest.importorskip("jinja2")
+    conf = {"eos_token": "<|im_end|>", **({"chat_template": SYSTEM_CHATML} if own_template else {})}
+    d = make_hf_dir(tmp_path, CHATML, {"tokenizer_config.json": conf})
+    tok = HFTokenizer(str(d), chat=True)
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    end = raw.token_to_id("<|im_end|>")
+    reply = tok.encode("4") + [end]
+    ids = [*tok.encode_prompt("2+2?"), *reply, *tok.render_observation("ok", "tool")]
+    head = "<|im_start|>system\nBe brief.<|im_end|>\n" if own_template else ""
+    assert raw.decode(ids, skip_special_tokens=False) == (
+        f"{head}<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    # a reply cut before its end-of-turn token: the observation closes the turn first
+    cut = raw.decode([*tok.encode("4"), *tok.render_observation("ok", "user", closed=False)],
+                     skip_special_tokens=False)
+    assert cut == "4<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_hf_chat_renders_the_models_own_template(tmp_path):
     pytest.importorskip("jinja2")
     d = make_hf_dir(tmp_path, CHATML, {"tokenizer_config.json": {"eos_token": "<|im_end|>",

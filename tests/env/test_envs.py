@@ -276,11 +276,13 @@ def test_submit_copies_its_inputs_and_refuses_after_close():
         runner.submit(key(2), REPLY, {})
 
 
-def test_a_run_with_an_env_is_refused_until_training_uses_it(tmp_path):
-    """rollout.env is not wired into training yet: a run asking for it stops at once, exit 2,
-    one line, nothing written (instead of training single-turn without saying so)."""
+def test_a_run_whose_env_cannot_be_made_is_refused_and_writes_nothing(tmp_path, capsys):
+    """A `train` whose rollout.env cannot be made stops at once: exit 2, one line naming
+    rollout.env, nothing written (the env is made before the run directory is touched)."""
     from async_rl.run.cli import main
     run_dir = tmp_path / "run"
-    code = main(["train", "--config", "configs/tiny.yaml", f"run.dir={run_dir}", "rollout.env=lookup",
-                 "data.task=lookup"])
+    code = main(["train", "--config", "configs/tiny-tools.yaml", f"run.dir={run_dir}",
+                 "rollout.env=no_such_module_here:make"])
+    err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not run_dir.exists()
+    assert err[-1].startswith("error: rollout.env='no_such_module_here:make'"), err[-3:]

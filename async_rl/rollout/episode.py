@@ -1,0 +1,170 @@
+"""Multi-turn episodes on the ledger's samples: what the pump asks when a sample is an episode.
+
+Owns: the step key of a sample's next env step, the chat messages an env step reads (the
+prompt, then each assistant reply and observation, cut out of the sample's token stream),
+turning an observation into the tokens that enter the stream (through the model's chat
+template, or as raw text without one), the token budget of the next assistant turn, the
+text `rollout.reward` scores (the final reply), and applying a recorded step to a sample.
+Does not own: running steps (`interface.EnvRunner`), when steps are submitted or results
+taken (the pump), or keeping samples across kills (ledger, checkpoint, journal).
+
+A sample's tokens alternate: assistant tokens (versions >= 0, trained) and observation tokens
+(version `ledger.OBSERVATION`, logprob 0, never trained). `Sample.turns[i]` records env step i:
+its key, observation, role, and where its tokens sit (`at`, `n`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from async_rl.buffer.ledger import OBSERVATION, Group, Sample
+from async_rl.data.tokenizer import completion_text
+from async_rl.env.interface import EnvError, StepKey, StepResult
+from async_rl.rollout.interface import Start
+
+
+@dataclass
+class Applied:
+    """What recording one env step did to its sample."""
+    ended: bool  # the episode is over (the env said done, max_turns, or no tokens left)
+    tokens: int  # observation tokens appended
+
+
+class Episodes:
+    """The episode rules of one run: its env's max_turns, the token budgets, the tokenizer."""
+
+    def __init__(self, *, run: str, tokenizer, max_turns: int, max_new_tokens: int, turn_max_tokens: int = 0):
+        self.run, self.tok, self.max_turns = run, tokenizer, max_turns
+        self.N, self.turn_max = max_new_tokens, turn_max_tokens
+        self._chat = getattr(tokenizer, "render_observation", None)  # HF tokenizers (chat format or raw)
+        self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
+
+    def key(self, g: Group, si: int, s: Sample) -> StepKey:
+        return StepKey(self.run, g.prompt_id, g.epoch, si, len(s.turns))
+
+    @staticmethod
+    def reply_start(s: Sample) -> int:
+        """Index of the current (or last) assistant reply's first token: after the last
+        observation fed (the step that ended an episode feeds none)."""
+        return max((t["at"] + t["n"] for t in s.turns if t["n"]), default=0)
+
+    def budget(self, s: Sample) -> int:
+        """Tokens the sample's next start may generate (its current turn's, within the episode's)."""
+        left = self.N - len(s.tokens)
+        if self.turn_max:
+            left = min(left, self.turn_max - (len(s.tokens) - self.reply_start(s)))
+        return left
+
+    def final_reply(self, s: Sample) -> str:
+        """What `rollout.reward` scores: the last assistant reply (before its stop token)."""
+        return completion_text(self.tok, s.tokens[self.reply_start(s):])
+
+    def messages(self, g: Group, s: Sample) -> list[dict]:
+        """The episode so far as chat messages, ending with the assistant reply just finished."""
+        out, pos = [{"role": "user", "content": g.prompt}], 0
+        for t in s.turns:
+            out.append({"role": "assistant", "content": completion_text(self.tok, s.tokens[pos:t["at"]])})
+            if t["n"]:
+                out.append({"role": t["role"], "content": t["observation"]})
+            pos = t["at"] + t["n"]
+        out.append({"role": "assistant", "content": completion_text(self.tok, s.tokens[pos:])})
+        return out
+
+    def observation_tokens(self, text: str, role: str, key: StepKey, closed: bool = True) -> list[int]:
+        try:
+            if self._chat is not None:
+                return list(self._chat(text, role, closed))
+            return list(self.tok.encode(text))
+        except Exception as e:  # noqa: BLE001 - what the env returned cannot be tokenised: its fault, named
+            raise EnvError(" ".join(f"env step returned an observation the tokenizer cannot encode "
+                                    f"({type(e).__name__}: {e}) on {key.where()}".split())) from None
+
+    def apply(self, s: Sample, key: StepKey, r: StepResult) -> Applied:
+        """Records step `key`'s result on its sample (under the ledger lock): the observation's
+        tokens appended (masked) unless the episode ends here. The episode ends when the env
+        says so, at max_turns assistant turns, or when no token would be left for a reply; an
+        observation not fed is still recorded, with n = 0."""
+        obs = r.observation or ""
+        closed = bool(s.tokens) and s.tokens[-1] in self._stops
+        ids = [] if r.done else self.observation_tokens(obs, r.role, key, closed)
+        ended = r.done or key.turn + 1 >= self.max_turns or len(s.tokens) + len(ids) >= self.N
+        if ended:
+            ids = []
+        s.turns.append({"key": str(key), "observation": obs, "role": r.role, "at": len(s.tokens), "n": len(ids)})
+        s.tokens.extend(ids)
+        s.logprobs.extend([0.0] * len(ids))
+        s.versions.extend([OBSERVATION] * len(ids))
+        s.env_state = r.state
+        if r.reward is not None:
+            s.env_reward = r.reward
+        s.awaiting = False
+        return Applied(ended, len(ids))
+
+
+@dataclass(eq=False)
+class _Episode:
+    """One evaluation episode: what `Episodes` reads of a group, and its one sample."""
+    prompt: str
+    prompt_id: int
+    epoch: int
+    prompt_tokens: object
+    ordinal: int
+    sample: int
+    s: Sample
+
+
+class EpisodeRequests:
+    """Evaluation's scheduler source with an env: every (prompt, sample) as a multi-turn episode.
+    An ended turn's env step runs on `runner` while other slots generate; its result continues
+    the episode in a free slot (the engine prefills what the episode has). `run` returns the
+    episodes' samples indexed [prompt][sample]."""
+
+    def __init__(self, prompts, texts, prompt_ids, *, samples: int, ordinals, episodes: Episodes, runner,
+                 epoch: int):
+        self.eps, self.runner = episodes, runner
+        self.rows = [[_Episode(texts[i], int(prompt_ids[i]), epoch, prompts[i], ordinals[i], j, Sample())
+                      for j in range(samples)] for i in range(len(prompts))]
+        self.waiting = [e for per in self.rows for e in per][::-1]
+        self._steps: dict[int, _Episode] = {}
+
+    def fill(self, free: list[int], busy: bool):
+        from async_rl.rollout.scheduler import Fill
+        for h, res in self.runner.poll():
+            e = self._steps.pop(h.seq)
+            if isinstance(res, EnvError):
+                raise res
+            if self.eps.apply(e.s, h.key, res).ended:
+                e.s.done = True
+            else:
+                self.waiting.append(e)
+        starts, occ = [], []
+        for slot in free[:len(self.waiting)]:
+            e = self.waiting.pop()
+            starts.append(Start(slot, e.ordinal, e.sample, e.prompt_tokens, tuple(e.s.tokens), self.eps.budget(e.s)))
+            occ.append(e)
+        if not starts and not busy and self._steps:
+            time.sleep(0.002)  # only env steps are running: wait for one
+        return Fill(starts, occ)
+
+    def record(self, pieces, version: int) -> None:
+        for p in pieces:
+            e = p.occupant
+            e.s.tokens += p.tokens
+            e.s.logprobs += p.logprobs
+            e.s.versions += p.versions
+            if p.ended:
+                if len(e.s.tokens) >= self.eps.N:
+                    e.s.done = True
+                else:
+                    h = self.runner.submit(self.eps.key(e, e.sample, e.s), self.eps.messages(e, e.s), e.s.env_state)
+                    self._steps[h.seq] = e
+
+    def collected(self, calls: int) -> None:
+        pass
+
+    def run(self, rollout, stops) -> list[list[Sample]]:
+        from async_rl.rollout.scheduler import Scheduler
+        sched = Scheduler(rollout, self, stops)
+        sched.run(lambda: not self.waiting and not self._steps and sched.idle)
+        return [[e.s for e in per] for per in self.rows]

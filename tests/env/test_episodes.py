@@ -1,0 +1,132 @@
+"""Multi-turn episodes in training: the tool task learns with its env and not without, a run
+whose env calls an external service is killed at random moments and every prompt is still
+trained once with every observation what the service answered, and a misbehaving env step
+fails the run with one line and loses nothing."""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from helpers import lineage, rollouts, run_cli
+from test_crash import crash_and_finish
+
+from async_rl.state.audit import audit
+
+HERE = Path(__file__).parent
+# the tool task at the tests' small shapes: episodes of call (3 tokens), value (5), call, value, answer
+EPISODE = ["data.task=recall", "data.min_digits=4", "data.max_digits=4", "model.learned_positions=0",
+           "rollout.max_new_tokens=20", "rollout.turn_max_tokens=3"]
+BASE = ["data.num_records=32", "rollout.prompts_per_step=2", "data.num_epochs=1", "checkpoint.every_steps=1",
+        "checkpoint.keep=2", "log.rollouts=true"]
+
+
+def _tiny_tools(run_dir, *overrides):
+    return subprocess.run([sys.executable, "-m", "async_rl", "train", "--config", "configs/tiny-tools.yaml",
+                           f"run.dir={run_dir}", "log.progress=false", "log.tensorboard=false", "log.plot=false",
+                           f"run.compilation_cache={os.environ.get('ASYNC_RL_TEST_XLA_CACHE', '')}", *overrides],
+                          capture_output=True, text=True, timeout=600)
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_tool_task_learns_with_its_env(tmp_path):
+    r = _tiny_tools(tmp_path / "tools", "eval.every_steps=150", "eval.num_records=64")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _metrics(tmp_path / "tools")
+    assert sum(m["rollout/reward_mean"] for m in rows[-5:]) / 5 >= 0.9, [m["rollout/reward_mean"] for m in rows[-10:]]
+    assert rows[-1]["eval/accuracy"] >= 0.9 and rows[-1]["rollout/env_steps"] > 0
+
+
+@pytest.mark.soak  # CI time; the job above shows the tool works, this that nothing else does
+def test_the_tool_task_fails_without_its_env(tmp_path):
+    r = _tiny_tools(tmp_path / "control", "rollout.env=", "eval.every_steps=150", "eval.num_records=64")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _metrics(tmp_path / "control")
+    assert sum(m["rollout/reward_mean"] for m in rows[-5:]) / 5 < 0.5 and rows[-1]["eval/accuracy"] < 0.1
+
+
+@pytest.fixture
+def service(tmp_path, monkeypatch):
+    """The keyed service on loopback, and the env that calls it importable by the run."""
+    log, port_file = tmp_path / "service.jsonl", tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, str(HERE / "keyed_service.py"), str(log), str(port_file), "0"])
+    try:
+        end = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < end, "the service did not start"
+            time.sleep(0.05)
+        monkeypatch.setenv("ASYNC_RL_TEST_SERVICE", f"http://127.0.0.1:{port_file.read_text()}")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
+        yield log
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _check_episodes(run_dir, service_log, delivered: int, max_concurrent: int) -> dict:
+    rep = audit(run_dir)
+    assert rep["ok"], rep
+    assert sorted(r["prompt_id"] for r in lineage(run_dir)) == list(range(32))
+    asked = [json.loads(x) for x in service_log.read_text().splitlines()]
+    answers = {a["key"]: a["observation"] for a in asked}
+    seen = 0
+    for row in rollouts(run_dir):
+        for s in row["samples"]:
+            turns = s["turns"]
+            assert [int(t["key"].rsplit("/", 1)[1]) for t in turns] == [0, 1, 2], turns
+            for t in turns[:2]:  # the two tool turns: what the service said for exactly that key
+                assert t["observation"] == answers[t["key"]], (t, answers.get(t["key"]))
+                seen += 1
+    assert seen == len(answers) == 32 * 4 * 2  # every answered key is in a trained episode
+    again = sum(Counter(a["key"] for a in asked).values()) - len(answers)
+    # only steps in flight at a kill are asked again: at most the env steps running at once, per kill
+    assert again <= delivered * max_concurrent, (again, delivered)
+    env = rep["env_steps"]
+    assert env["recorded"] == 32 * 4 * 3 and env["unused"] == 0 and env["requested_again"] >= again
+    return {"again": again, **env}
+
+
+@pytest.mark.parametrize("partial, kills", [(False, 6), pytest.param(True, 10, marks=pytest.mark.soak),
+                                            pytest.param(False, 10, marks=pytest.mark.soak)],
+                         ids=["whole", "partial-soak", "whole-soak"])
+def test_multi_turn_run_killed_at_random_moments_trains_every_prompt_once(tmp_path, xla_cache, service, partial,
+                                                                         kills):
+    rng = random.Random(4 + kills + partial)
+    schedule = [("at", "env_submit:40"), ("at", "ckpt_write:2"), ("random", 3, rng.uniform(0, 0.3)),
+                ("at", "env_submit:30"), ("at", "ckpt_saved:5"), ("random", 6, rng.uniform(0, 0.3))]
+    schedule += [("at", f"env_submit:{rng.randint(5, 60)}") if i % 2 else ("random", 7 + i, rng.uniform(0, 0.3))
+                 for i in range(kills - len(schedule))]
+    run = tmp_path / "run"
+    out = crash_and_finish(run, [*BASE, *EPISODE, "rollout.env=service_env:make", f"rollout.partial={partial}"],
+                           xla_cache, schedule=schedule)
+    assert out["delivered"] >= kills - 2, out
+    print("multi-turn crash:", _check_episodes(run, service, out["delivered"], 16))
+
+
+@pytest.mark.parametrize("bad, says", [("raise", "raised ConnectionError"), ("state", "not JSON"),
+                                       ("hang", "did not return within rollout.env_timeout_s=3 s")])
+def test_a_bad_env_step_fails_the_run_with_one_line_and_a_resume_continues(tmp_path, xla_cache, monkeypatch, bad,
+                                                                            says):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
+    run = tmp_path / "run"
+    args = [*BASE, "data.task=recall", "data.min_digits=4", "data.max_digits=4", "model.learned_positions=0",
+            "rollout.max_new_tokens=12", "rollout.turn_max_tokens=3", "rollout.env=bad_env:make",
+            "rollout.env_timeout_s=3", "data.num_records=16"]
+    monkeypatch.setenv("ASYNC_RL_TEST_BAD", bad)
+    monkeypatch.setenv("ASYNC_RL_TEST_BAD_PROMPT", "9")
+    r = run_cli(run, *args, cache=xla_cache, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and says in last and "prompt_id=9 turn=0" in last, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    monkeypatch.delenv("ASYNC_RL_TEST_BAD")
+    r = run_cli(run, *args, cache=xla_cache, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert audit(run)["ok"] and sorted(x["prompt_id"] for x in lineage(run)) == list(range(16))
