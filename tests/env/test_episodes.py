@@ -110,8 +110,11 @@ def test_multi_turn_run_killed_at_random_moments_trains_every_prompt_once(tmp_pa
     print("multi-turn crash:", _check_episodes(run, service, out["delivered"], 16))
 
 
-@pytest.mark.parametrize("bad, says", [("raise", "raised ConnectionError"), ("state", "not JSON"),
-                                       ("hang", "did not return within rollout.env_timeout_s=3 s")])
+@pytest.mark.parametrize("bad, says", [
+    ("raise", "raised ConnectionError"),
+    # CI time: the same path (a failed step raised on the pump thread); EnvRunner's own tests cover both in CI
+    pytest.param("state", "not JSON", marks=pytest.mark.soak),
+    pytest.param("hang", "did not return within rollout.env_timeout_s=3 s", marks=pytest.mark.soak)])
 def test_a_bad_env_step_fails_the_run_with_one_line_and_a_resume_continues(tmp_path, xla_cache, monkeypatch, bad,
                                                                             says):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
