@@ -46,8 +46,10 @@ def _audit(run: str, capsys) -> dict:
     return json.loads(out.out)
 
 
+# CI runs s3:// (where a lease deletion once went unnoticed); gs:// under make soak: a renewal that
+# finds the lease deleted is checked on both by test_lease_renewal_that_finds_it_gone_is_lost
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["gs", "s3"])
+@pytest.mark.parametrize("scheme", [pytest.param("gs", marks=pytest.mark.soak), "s3"])
 def test_lease_deleted_under_a_live_run(scheme, request, xla_cache, capsys):
     """`.lock` deleted under a live run and a second `train` started at once: the second takes
     the lease and reads the run only once the first must have stopped writing; the first finds
