@@ -21,8 +21,11 @@ for _wing in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir()
 
 
 @pytest.fixture(scope="session")
-def xla_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("xla_cache")
+def xla_cache() -> Path:
+    """The session's one cache (set above, before xdist starts its workers, so they inherit it;
+    helpers.FAST names it too): in-process runs and subprocesses on every worker reuse each
+    other's programs instead of each worker compiling the same shapes into a cache of its own."""
+    return Path(os.environ["ASYNC_RL_TEST_XLA_CACHE"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ export round trips, a multimodal Gemma 3 checkpoint's text model, and the config
 refusals. Logits against a NumPy reference and against transformers are in test_hf.py."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -87,12 +88,19 @@ def family(request):
     return cfg, graphdef, params
 
 
+@functools.cache
+def _forward(graphdef):
+    """The learner's full-row forward pass, compiled once per model (not dispatched op by op
+    for each of the test's rows)."""
+    return jax.jit(lambda params, row, positions, valid: nnx.merge(graphdef, params)(row, positions, valid))
+
+
 def _full_logprobs(graphdef, params, prompt, tokens):
     start, positions, valid = layout(len(prompt), P, P + N, n_filled=len(prompt) + len(tokens))
     row = np.zeros(P + N, np.int32)
     row[start:P] = prompt
     row[P:P + len(tokens)] = tokens
-    logits = nnx.merge(graphdef, params)(row[None], positions[None], valid[None])[0]
+    logits = _forward(graphdef)(params, row[None], positions[None], valid[None])[0]
     logp = jax.nn.log_softmax(logits[P - 1:P - 1 + len(tokens)])
     return np.asarray(logp[np.arange(len(tokens)), tokens])
 

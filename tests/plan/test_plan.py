@@ -116,8 +116,11 @@ def test_bad_input_exits_2(topology, extra, needle, capsys):
 
 
 @pytest.mark.slow
-def test_engine_part_splits_weights_and_cache_and_counts_every_layer():
+def test_engine_part_splits_weights_and_cache_and_counts_every_layer(monkeypatch):
     cfg = cfg_of("engine.tensor=2", "engine.max_concurrent_decodes=8", "model.n_kv_heads=2")
+    # the learner's part without its cost compiles (test_cost_counts_every_loop_iteration checks those)
+    learner_part = PL.learner_part
+    monkeypatch.setattr(PL, "learner_part", lambda *a, cost=True: learner_part(*a, cost=False))
     rep = PL.plan(cfg, "cpu:4")
     ep = rep.parts["engine"]
     m, width = cfg.model, 8 + 8

@@ -3,6 +3,7 @@ weights and KV cache in the compute dtype, tensor-parallel generation equal to o
 decode windows over live columns, batched prefill."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,13 @@ def prompts(n=7, seed=0):
     return [rs.randint(4, 30, rs.randint(1, P + 1)).astype(np.int32) for _ in range(n)]
 
 
+@functools.cache
+def _hidden(graphdef):
+    """The learner's hidden states of a whole row, compiled once per model (not dispatched op
+    by op for each of a test's rows)."""
+    return jax.jit(lambda params, row, positions, valid: nnx.merge(graphdef, params).hidden(row, positions, valid))
+
+
 def learner_logprobs(graphdef, params, prompt, tokens, temperature):
     """What the learner computes: hidden states of the whole row, then `completion_logprobs`."""
     model = nnx.merge(graphdef, params)
@@ -39,7 +47,7 @@ def learner_logprobs(graphdef, params, prompt, tokens, temperature):
     row = np.zeros(P + N, np.int32)
     row[start:P] = prompt
     row[P:P + len(tokens)] = tokens
-    x = model.hidden(row[None], positions[None], valid[None])
+    x = _hidden(graphdef)(params, row[None], positions[None], valid[None])
     logp, ent = losses.completion_logprobs(model.logits, x[:, P - 1:P - 1 + len(tokens)],
                                            jnp.asarray(tokens)[None], temperature)
     return np.asarray(logp[0]), np.asarray(ent[0])
