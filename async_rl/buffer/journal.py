@@ -472,15 +472,18 @@ class Journal:
         _, held, held_tokens = self.available()
         if not held:
             return None
+        progress = sum(not e.done for v in self.index.values() for e in v)  # multi-turn episodes' env steps
+        held -= progress
         with ledger.lock:
             for g in list(ledger.groups.values()):
                 self.claim(g, step)
         u = self.usage
         waiting = sum(len(v) for v in self.waits.values())
         _, rest, _ = self.available()
+        kept = f" and {progress} episodes' env steps" if progress else ""
         steps = f" and {u.env_steps} env steps" if u.env_steps else ""
-        return (f"journal: {held} records ({held_tokens} tokens) from earlier sessions; {u.samples} "
-                f"finished samples ({u.tokens} tokens){steps} of restored groups taken from it"
+        return (f"journal: {held} finished samples ({held_tokens} tokens){kept} from earlier sessions; {u.samples} "
+                f"samples ({u.tokens} tokens){steps} of restored groups taken from it"
                 + (f", {waiting} waiting for the weights that made them" if waiting else "")
                 + f", up to {rest} more as the stream reaches their groups")
 

@@ -111,7 +111,9 @@ def quiet_closed_loops() -> None:
 class _FailedSaveLog(logging.Filter):
     """Orbax logs a failed background save with tracebacks, once from each thread it passes
     through, before raising it to us; we report it once, naming the step and what is intact.
-    Only those records are dropped: every other Orbax error is logged as Orbax logs it."""
+    Likewise an object-store call that the run's storage bound gave up on (a `StorageError`,
+    which the run names in its one line) that Orbax logs on its way. Only those records are
+    dropped: every other Orbax error is logged as Orbax logs it."""
 
     MESSAGES = ("in background save thread",  # AsyncCheckpointer's commit thread
                 "_SignalingThread.run() raised an exception",  # the thread running a commit future
@@ -121,5 +123,9 @@ class _FailedSaveLog(logging.Filter):
                 "Failed to update metadata=")  # the same store when the step's metadata is amended
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
-                    and any(m in str(record.msg) for m in self.MESSAGES))
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        gave_up = any(isinstance(a, remote_io.StorageError) for a in args) or (
+            record.exc_info is not None and isinstance(record.exc_info[1], remote_io.StorageError))
+        return not (gave_up or any(m in str(record.msg) for m in self.MESSAGES))

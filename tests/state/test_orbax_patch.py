@@ -53,3 +53,26 @@ def test_other_orbax_errors_still_logged(absl_records):
     logging.getLogger("absl").handle(logging.LogRecord(
         "absl", logging.ERROR, orbax_metadata.__file__, 1, "Something else failed: %s", ("x",), None))
     assert [r.getMessage() for r in absl_records] == ["Something else failed: x"]
+
+
+def test_a_storage_call_the_runs_bound_gave_up_on_is_not_logged_twice(tmp_path, absl_records, monkeypatch):
+    """Orbax swallows a failed read of a step's metadata and logs it; where the failure is the
+    run's own storage bound giving up (which the run reports in its one line), the record goes."""
+    from etils import epath
+
+    from async_rl.store.remote_io import StorageError
+    orbax_patch.install()
+    store = orbax_metadata.metadata_store(enable_write=False)
+    path = tmp_path / "_CHECKPOINT_METADATA"
+    path.write_text("{}")
+
+    def read(err):
+        def fail(self, *a, **k):
+            raise err
+        monkeypatch.setattr(type(epath.Path(path)), "read_text", fail)
+        return store.read(path)
+
+    assert read(StorageError("gs://b/run/x", "no answer within 15 s", "read")) is None
+    assert not [r for r in absl_records if "Failed to read" in str(r.msg)]
+    assert read(OSError("disk gone")) is None
+    assert [r.levelno for r in absl_records if "Failed to read" in str(r.msg)] == [logging.ERROR]
