@@ -36,6 +36,7 @@ def _metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.soak  # CI time (80 s); the kill tests train multi-turn episodes in CI
 def test_the_tool_task_learns_with_its_env(tmp_path):
     r = _tiny_tools(tmp_path / "tools", "eval.every_steps=150", "eval.num_records=64")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -44,7 +45,7 @@ def test_the_tool_task_learns_with_its_env(tmp_path):
     assert rows[-1]["eval/accuracy"] >= 0.9 and rows[-1]["rollout/env_steps"] > 0
 
 
-@pytest.mark.soak  # CI time; the job above shows the tool works, this that nothing else does
+@pytest.mark.soak  # the job above shows the tool works, this that nothing else does
 def test_the_tool_task_fails_without_its_env(tmp_path):
     r = _tiny_tools(tmp_path / "control", "rollout.env=", "eval.every_steps=150", "eval.num_records=64")
     assert r.returncode == 0, r.stderr[-3000:]
