@@ -100,10 +100,11 @@ def _check_episodes(run_dir, service_log, delivered: int, max_concurrent: int) -
 def test_multi_turn_run_killed_at_random_moments_trains_every_prompt_once(tmp_path, xla_cache, service, partial,
                                                                          kills):
     rng = random.Random(4 + kills + partial)
-    schedule = [("at", "env_submit:40"), ("at", "ckpt_write:2"), ("random", 3, rng.uniform(0, 0.3)),
-                ("at", "env_submit:30"), ("at", "ckpt_saved:5"), ("random", 6, rng.uniform(0, 0.3))]
-    schedule += [("at", f"env_submit:{rng.randint(5, 60)}") if i % 2 else ("random", 7 + i, rng.uniform(0, 0.3))
-                 for i in range(kills - len(schedule))]
+    # kills at saves first (each session starts before the step it names), then at env requests
+    # and at random moments after a step: each reachable wherever the session before stopped
+    schedule = [("at", "ckpt_write:2"), ("at", "ckpt_saved:4"), ("at", "env_submit:30"),
+                ("random", 7, rng.uniform(0, 0.3)), ("at", "env_submit:20"), ("random", 10, rng.uniform(0, 0.3))]
+    schedule += [("at", f"env_submit:{rng.randint(5, 25)}") for _ in range(kills - len(schedule))]
     run = tmp_path / "run"
     out = crash_and_finish(run, [*BASE, *EPISODE, "rollout.env=service_env:make", f"rollout.partial={partial}"],
                            xla_cache, schedule=schedule)
