@@ -22,6 +22,7 @@ from async_rl.buffer.ledger import OBSERVATION, Group, Sample
 from async_rl.data.tokenizer import completion_text
 from async_rl.env.interface import EnvError, StepKey, StepResult
 from async_rl.rollout.interface import Start
+from async_rl.rollout.scheduler import Fill, Scheduler
 
 
 @dataclass
@@ -128,8 +129,7 @@ class EpisodeRequests:
         self.waiting = [e for per in self.rows for e in per][::-1]
         self._steps: dict[int, _Episode] = {}
 
-    def fill(self, free: list[int], busy: bool):
-        from async_rl.rollout.scheduler import Fill
+    def fill(self, free: list[int], busy: bool) -> Fill:
         for h, res in self.runner.poll():
             e = self._steps.pop(h.seq)
             if isinstance(res, EnvError):
@@ -164,7 +164,6 @@ class EpisodeRequests:
         pass
 
     def run(self, rollout, stops) -> list[list[Sample]]:
-        from async_rl.rollout.scheduler import Scheduler
         sched = Scheduler(rollout, self, stops)
         sched.run(lambda: not self.waiting and not self._steps and sched.idle)
         return [[e.s for e in per] for per in self.rows]

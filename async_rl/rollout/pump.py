@@ -223,15 +223,13 @@ class Pump:
         if self.env is not None:
             self._env_results()
         if self.journal is not None and self.journal.waits:
-            self.journal.apply(self.latest)
-            self._resubmit = self.env is not None
+            self._journal_settles(self.journal.apply, self.latest)
         if self._resubmit:
             self._env_backlog()
         picks = self._pick(free)
         if not picks and not busy:
             if self.journal is not None and self.journal.waits:
-                self.journal.idle(self.latest, self.sampler.pps)
-                self._resubmit = self.env is not None
+                self._journal_settles(self.journal.idle, self.latest, self.sampler.pps)
             t0 = time.perf_counter()
             self.ledger.changed.wait(0.05)
             self.stats.idle_s += time.perf_counter() - t0
@@ -271,6 +269,14 @@ class Pump:
         self._env_steps[h.seq] = (g, si, s)
         self.stats.env_submitted += 1
         faults.point("env_submit", self.stats.env_submitted, self._progress)
+
+    def _journal_settles(self, call, *args) -> None:
+        """Runs a journal call that may settle waiting samples; one it leaves unfilled may be an
+        episode waiting for an env step that is not running (looked for at the next turn)."""
+        before = sum(map(len, self.journal.waits.values()))
+        call(*args)
+        if self.env is not None and sum(map(len, self.journal.waits.values())) < before:
+            self._resubmit = True
 
     def _env_backlog(self) -> None:
         """Samples waiting for an env step that is not running: restored from a checkpoint taken

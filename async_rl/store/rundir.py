@@ -190,17 +190,7 @@ def run_identity(path, create: bool = True) -> str:
     new = secrets.token_hex(8).encode()
     if not create:
         return storage.read_text(p).strip() if storage.exists(p) else "unnamed"
-    if storage.is_remote(p):
-        storage.create(p, new)
-    else:  # written whole, then linked in: a kill never leaves an empty identity behind
-        tmp = path / f"{runfiles.RUN_ID}.{os.getpid()}.tmp"
-        tmp.write_bytes(new)
-        try:
-            os.link(tmp, p)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+    storage.create(p, new)  # the first process to get there wins; the rest read its identity
     ident = storage.read_text(p).strip()
     if not ident.isalnum():
         raise RunFailure(f"{p}: not a run identity ({ident[:40]!r}); it names this run's env steps, restore it")

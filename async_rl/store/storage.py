@@ -252,7 +252,8 @@ def write_atomic(p, data: bytes | str) -> None:
 
 
 def create(p, data: bytes) -> bool:
-    """Writes `p` only if it does not exist yet; False where it does (another writer won)."""
+    """Writes `p` only if it does not exist yet; False where it does (another writer won).
+    Readers (and a process killed meanwhile) see it whole or not at all."""
     if is_remote(p):
         check_write(p)
         try:
@@ -260,14 +261,15 @@ def create(p, data: bytes) -> bool:
         except FileExistsError:
             return False
         return True
-    try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    p = Path(p)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    try:  # written whole first, then linked in: the link fails where `p` exists
+        os.link(tmp, p)
     except FileExistsError:
         return False
-    try:
-        os.write(fd, data)
     finally:
-        os.close(fd)
+        tmp.unlink(missing_ok=True)
     return True
 
 

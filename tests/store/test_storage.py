@@ -195,3 +195,10 @@ def test_a_local_append_log_appends_cuts_back_and_is_created_once(tmp_path):
     applog.delete(tmp_path / "00000001.jrn")
     applog.delete(tmp_path / "00000001.jrn")  # gone already: nothing
     assert not applog.has_bytes(tmp_path / "00000001.jrn") and applog.read(tmp_path / "none") == b""
+
+
+def test_exclusive_create_is_whole_or_absent_and_first_wins(tmp_path):
+    from async_rl.store import storage
+    p = tmp_path / "run_id"
+    assert storage.create(p, b"first") and not storage.create(p, b"second")
+    assert p.read_bytes() == b"first" and [f.name for f in tmp_path.iterdir()] == ["run_id"]
