@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.soak  # compiles every part's decoder; the engine itself is tested in tests/rollout
 def test_engine_bench_runs_every_part():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
@@ -37,6 +38,7 @@ def test_a_bench_without_vllm_names_the_extra(script):
     assert len(r.stderr.strip().splitlines()) == 1 and "[vllm] extra" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.soak  # a full training run per row; CI trains from an HF checkpoint in test_export.py
 def test_the_async_bench_trains_on_its_hugging_face_checkpoint():
     """hf_tiny (built-in rows; `--backend builtin,vllm` adds vLLM's in .venv-vllm): the script
     writes the tiny-shaped checkpoint, a real training run loads it and the table has its row."""

@@ -237,7 +237,7 @@ def test_tpu_plan_while_a_train_runs(tmp_path):
     assert "lockfile" not in plan.stderr and "fits" in plan.stdout, plan.stdout[-2000:]
 
 
-@pytest.mark.parametrize("family", [["model.qk_norm=true", "model.head_dim=24"],
+@pytest.mark.parametrize("family", [pytest.param(["model.qk_norm=true", "model.head_dim=24"], marks=pytest.mark.soak),
                                     ["model.qk_norm=true", "model.gemma=true", "model.sliding_window=4",
                                      "model.global_every=3", "model.rope_local_theta=10000",
                                      "model.query_pre_attn_scalar=20"]])
