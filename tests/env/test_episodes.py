@@ -3,6 +3,7 @@ whose env calls an external service is killed at random moments and every prompt
 trained once with every observation what the service answered, and a misbehaving env step
 fails the run with one line and loses nothing."""
 import json
+import math
 import os
 import random
 import subprocess
@@ -132,6 +133,34 @@ def test_multi_turn_run_on_gcs_killed_at_random_moments_trains_every_prompt_once
     from objstore import new_bucket
     _killed_and_checked(f"{new_bucket('gs')}/run", service, ["rollout.partial=true"], xla_cache,
                         _schedule(random.Random(6), 6))
+
+
+@pytest.mark.soak  # every restart starts vLLM: make soak-vllm
+def test_multi_turn_run_on_vllm_killed_at_random_moments_trains_every_prompt_once(tmp_path, service):
+    """The same generating with vLLM (a tiny random Qwen2 whose tokenizer has the task's digits
+    and `=`): an episode continues from the prompt and every token so far, observations
+    included, and only the reply's tokens are sampled; their versions and behaviour logprobs are
+    recorded, the observations' are masked."""
+    from test_vllm_crash import TIMEOUT, VLLM, WORDS, vllm_model
+
+    from async_rl.buffer.ledger import OBSERVATION
+    from async_rl.rollout.vllm_backend import available
+    if (why := available()) is not None:
+        pytest.skip(why)
+    run = tmp_path / "run"
+    # five kills: inside a save, at env requests (one early, in the first steps' episodes), after a step
+    rng = random.Random(5)
+    schedule = [("at", "ckpt_write:2"), ("at", "env_submit:12"), ("random", 4, rng.uniform(0, 0.5)),
+                ("at", "env_submit:25"), ("random", 8, rng.uniform(0, 0.5))]
+    _killed_and_checked(run, service, [f"model.hf_path={vllm_model(tmp_path)}", *VLLM, "rollout.partial=true"], None,
+                        schedule, timeout=TIMEOUT)
+    for s in (s for row in rollouts(run) for s in row["samples"]):
+        fed = [i for i, v in enumerate(s["versions"]) if v == OBSERVATION]
+        # the two tool turns' observations are in the stream as the tokenizer reads them, masked
+        assert "".join(WORDS[s["tokens"][i]] for i in fed) == "".join(t["observation"] for t in s["turns"][:2])
+        assert all(s["logprobs"][i] == 0.0 for i in fed)
+        assert all(v >= 0 and math.isfinite(lp) and lp <= 0 for v, lp in zip(s["versions"], s["logprobs"])
+                   if v != OBSERVATION), s  # the replies': sampled by vLLM, under weights it ran
 
 
 @pytest.mark.parametrize("bad, says", [
