@@ -136,7 +136,7 @@ def test_multi_turn_run_on_gcs_killed_at_random_moments_trains_every_prompt_once
 
 
 @pytest.mark.soak  # every restart starts vLLM: make soak-vllm
-def test_multi_turn_run_on_vllm_killed_at_random_moments_trains_every_prompt_once(tmp_path, service):
+def test_multi_turn_run_on_vllm_killed_at_random_moments_trains_every_prompt_once(tmp_path, service, monkeypatch):
     """The same generating with vLLM (a tiny random Qwen2 whose tokenizer has the task's digits
     and `=`): an episode continues from the prompt and every token so far, observations
     included, and only the reply's tokens are sampled; their versions and behaviour logprobs are
@@ -147,6 +147,9 @@ def test_multi_turn_run_on_vllm_killed_at_random_moments_trains_every_prompt_onc
     from async_rl.rollout.vllm_backend import available
     if (why := available()) is not None:
         pytest.skip(why)
+    # one device, as the vLLM backend has: split over the 4 forced ones, the learner's step on
+    # this Qwen2 at 28 columns took XLA over 9 minutes to compile (seconds on one)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     run = tmp_path / "run"
     # five kills: inside a save, at env requests (one early, in the first steps' episodes), after a step
     rng = random.Random(5)
