@@ -90,9 +90,10 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m "not soak" tests/rollout/test_vllm.py
 
-# SIGKILLs of training runs generating with vLLM (each restart starts vLLM: minutes)
+# SIGKILLs of training runs generating with vLLM (each restart starts vLLM: minutes), single-turn and multi-turn
 soak-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -s -p no:xdist -m soak tests/rollout/test_vllm_crash.py
+	$(VLLM_VENV)/bin/python -m pytest -q -s -p no:xdist -m soak tests/rollout/test_vllm_crash.py \
+		tests/env/test_episodes.py::test_multi_turn_run_on_vllm_killed_at_random_moments_trains_every_prompt_once
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py

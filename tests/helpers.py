@@ -30,9 +30,28 @@ def cfg(run_dir: Path, *overrides: str) -> C.Config:
     return C.load("configs/tiny.yaml", [f"run.dir={run_dir}", *FAST, *overrides])
 
 
+def run_jsonl(run_dir, name: str, missing_ok: bool = True) -> list[dict]:
+    """The lines of a run's JSONL log; a run on object storage (`gs://...`) is read through its store."""
+    if "://" in str(run_dir):  # segment objects there, not one file
+        from async_rl.state.lineage import read_jsonl
+        from async_rl.store import storage
+        return read_jsonl(storage.run_path(str(run_dir)) / name)
+    p = Path(run_dir) / name
+    if missing_ok and not p.exists():
+        return []
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+
+
+def run_text(run_dir, name: str) -> str:
+    """A file of a run directory, local or on object storage."""
+    if "://" in str(run_dir):
+        from async_rl.store import storage
+        return storage.read_text(storage.run_path(str(run_dir)) / name)
+    return (Path(run_dir) / name).read_text()
+
+
 def lineage(run_dir: Path) -> list[dict]:
-    p = Path(run_dir) / "lineage.jsonl"
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+    return run_jsonl(run_dir, "lineage.jsonl")
 
 
 def steps_of(run_dir: Path) -> dict[int, list[int]]:
@@ -105,8 +124,7 @@ def read_ledger(run_dir: Path, step: int):
 
 
 def rollouts(run_dir: Path) -> list[dict]:
-    p = Path(run_dir) / "rollouts.jsonl"
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    return run_jsonl(run_dir, "rollouts.jsonl", missing_ok=False)
 
 
 def free_port() -> int:

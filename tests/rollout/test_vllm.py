@@ -153,6 +153,23 @@ def test_a_saved_sample_continues_with_its_remaining_budget(setup):
     assert gap <= 1e-4, gap
 
 
+def test_an_episode_turn_continues_after_an_observation(setup):
+    """A multi-turn episode's next turn: the request's prompt is the prompt, the reply and the
+    observation's tokens (not the policy's); only the turn's budget is sampled, each token with
+    the logprob given that whole prefix and the version of the weights that made it."""
+    r, _, params, graphdef = setup
+    r.swap(params, 0)
+    p = prompts(1, seed=50)[0]
+    reply = run(r, [Start(0, 50, 0, p, (), 3)])[0][0]
+    obs = [int(t) for t in np.random.default_rng(5).integers(1, NT, 4)]  # what the env said, tokenised
+    new = perturbed(params, seed=2)
+    r.swap(new, 1)  # published while the env step ran
+    t, lp, v = run(r, [Start(2, 50, 0, p, (*reply, *obs), 3)])[2]
+    assert 1 <= len(t) <= 3 and v == [1] * len(t)
+    gap = np.abs(np.asarray(lp) - learner_logprobs(graphdef, new, np.concatenate([p, reply, obs]), t)).max()
+    assert gap <= 1e-4, gap
+
+
 def test_published_weights_reach_vllm_through_dlpack_without_a_copy(setup):
     """Every HF tensor is handed over; one already on vLLM's device in the HF layout is the same
     memory on both sides (on a GPU: the weights never leave it)."""

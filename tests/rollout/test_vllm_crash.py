@@ -27,25 +27,36 @@ WORDS = ["[UNK]", "<pad>", "<s>", "</s>", *"0123456789", "+", "="]
 TIMEOUT = 600.0  # seconds for a process to reach a kill point, a step or its end (each starts vLLM)
 
 
-def vllm_run_overrides(root) -> list[str]:
-    """A run's overrides for training on a tiny random Qwen2 with a 16-word tokenizer, written
-    under `root`: 32 addition prompts, 4 held-out ones evaluated every 4 steps, vLLM eager."""
+def vllm_model(root):
+    """A tiny random Qwen2 checkpoint with a 16-word tokenizer (digits one token each), written
+    under `root`; its directory."""
     model = write_checkpoint(root / "model", HC, random_weights(HC))
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
     tok.save(str(model / "tokenizer.json"))
     (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                               "pad_token": "<pad>"}))
+    return model
+
+
+# what a run generates with vLLM on it: eager (no torch.compile: each restart starts sooner)
+VLLM = ["engine.backend=vllm", "engine.max_concurrent_decodes=8", "engine.steps_per_call=2",
+        "engine.vllm_enforce_eager=true"]
+
+
+def vllm_run_overrides(root) -> list[str]:
+    """A run's overrides for training on `vllm_model` under `root`: 32 addition prompts, 4
+    held-out ones evaluated every 4 steps, vLLM eager."""
+    model = vllm_model(root)
     data, held = root / "prompts.jsonl", root / "held_out.jsonl"
     data.write_text("".join(json.dumps({"id": i, "prompt": f"{i % 10} + {i // 10} =", "answer": str(i % 10 + i // 10)})
                             + "\n" for i in range(32)))
     held.write_text("".join(json.dumps({"id": 100 + i, "prompt": f"{i} + 9 =", "answer": str(i + 9)}) + "\n"
                             for i in range(4)))
     return [*BASE, f"model.hf_path={model}", "data.source=jsonl", f"data.path={data}", "data.id_field=id",
-            "rollout.reward=addition", "engine.backend=vllm", "engine.max_concurrent_decodes=8",
-            "engine.steps_per_call=2", "rollout.partial=true", "log.rollouts=true",
-            "eval.every_steps=4", f"eval.path={held}",
-            "engine.vllm_enforce_eager=true"]  # no torch.compile: each of the restarts starts sooner
+            "rollout.reward=addition", *VLLM, "rollout.partial=true", "log.rollouts=true",
+            "eval.every_steps=4", f"eval.path={held}"]
 
 
 @pytest.fixture(scope="module")

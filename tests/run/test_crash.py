@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from helpers import checkpoint_steps, kill9, lineage, run_cli, spawn, wait_for_step, wait_until
+from helpers import checkpoint_steps, kill9, lineage, run_cli, run_text, spawn, wait_for_step, wait_until
 
 from async_rl.state.audit import audit
 
@@ -56,7 +56,7 @@ def crash_and_finish(run_dir, overrides, cache, seed=0, short=False, schedule=No
     assert r.returncode == 0, r.stderr[-3000:]
     print(f"crash schedule: {delivered} of {len(schedule)} SIGKILLs delivered")
     assert not own or delivered >= (5 if short else 8), f"only {delivered} kills landed"
-    return {**json.loads((run_dir / "final.json").read_text()), "delivered": delivered}
+    return {**json.loads(run_text(run_dir, "final.json")), "delivered": delivered}
 
 
 def _check_run(run_dir, staleness_bound=None):
