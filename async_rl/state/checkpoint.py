@@ -374,6 +374,12 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
         raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
                             f"{c.key}={c.saved!r}; changing it would change which prompts the saved iterator and "
                             "ledger mean. Revert it or use a new run.dir (nothing was changed)")
+    lora = [c for c in changes if c.kind == "lora"]
+    if lora:
+        c = lora[0]
+        raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
+                            f"{c.key}={c.saved!r}; its adapters (and their optimizer state) exist only in that "
+                            "form. Revert it or use a new run.dir (nothing was changed)")
     lowered = [c for c in changes if c.kind == "lowered"]
     if lowered:
         c = lowered[0]
