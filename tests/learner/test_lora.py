@@ -40,3 +40,87 @@ def test_changing_lora_on_resume_is_its_own_refused_kind(key, saved, now):
     old["learner"] = dict(old["learner"], **{key: saved})
     got = [c for c in compat.changes(old, cfg) if c.key == f"learner.{key}"]
     assert [c.kind for c in got] == ["lora"]
+
+
+# ---- the model and the learner --------------------------------------------------------------
+
+def _learner(*overrides):
+    from test_learner import make
+    return make("learner.lora_rank=4", "learner.lora_alpha=8", *overrides)
+
+
+def test_a_fresh_adapter_leaves_the_base_forward_unchanged_and_its_term_is_x_a_b():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from async_rl.model import lora
+    from async_rl.model.transformer import Transformer
+    cfg = C.load("configs/tiny.yaml", ["learner.lora_rank=4", "learner.lora_alpha=8"])
+    spec = lora.spec(cfg)
+    plain = Transformer(cfg.model, 16, rngs=nnx.Rngs(0))
+    with_ad = Transformer(cfg.model, 16, rngs=nnx.Rngs(0), lora=spec)
+    # the adapters draw from their own key: the base is the full-weight model's, bit for bit
+    base = lora.host_tree(nnx.state(with_ad, lora.BASE))
+    assert base.keys() == lora.host_tree(nnx.state(plain, nnx.Param)).keys()
+    assert all(np.array_equal(v, lora.host_tree(nnx.state(plain, nnx.Param))[k]) for k, v in base.items())
+    ad = lora.host_tree(nnx.state(with_ad, lora.ADAPTERS))
+    assert len(ad) == 2 * 7 and ad["layers.attn.q.lora_a"].shape == (2, 64, 4)
+    assert ad["layers.mlp.down.lora_b"].shape == (2, 4, 64) and not ad["layers.mlp.down.lora_b"].any()
+    tok = jnp.arange(1, 9, dtype=jnp.int32)[None]
+    pos, valid = jnp.arange(8)[None], jnp.ones((1, 8), bool)
+    np.testing.assert_array_equal(plain(tok, pos, valid), with_ad(tok, pos, valid))
+    # a trained adapter adds scale * (x A) B to its projection's output
+    q = with_ad.layers.attn.q
+    q.lora_b.set_value(jax.random.normal(jax.random.key(1), q.lora_b.shape))
+    x = jax.random.normal(jax.random.key(2), (3, 64))
+    got = jax.vmap(lambda a, b, k: x @ k + spec.scale * (x @ a) @ b)(q.lora_a[...], q.lora_b[...], q.kernel[...])
+    layer0 = nnx.merge(*nnx.split(with_ad.layers))  # a stacked module: call layer 0 by slicing
+    gd, st = nnx.split(layer0.attn.q)
+    one = nnx.merge(gd, jax.tree.map(lambda v: v[0], st))
+    np.testing.assert_allclose(one(x), got[0], rtol=1e-5, atol=1e-5)
+
+
+def test_lora_trains_only_the_adapters_and_the_kl_reference_is_the_base():
+    import jax
+    import numpy as np
+    from test_learner import batch_of, random_rows
+
+    from async_rl.model import lora
+    cfg, learner = _learner("learner.kl_coef=0.1")
+    base0 = lora.host_tree(learner.base_params())
+    state = learner.init_state(learner.init_params())
+    # optimizer moments exist for the adapters only
+    opt_leaves = jax.tree.leaves(state["opt"])
+    n_adapter = sum(x.size for x in jax.tree.leaves(state["params"]))
+    assert n_adapter < sum(x.size for x in jax.tree.leaves(learner.base_params())) / 4
+    assert sum(x.size for x in opt_leaves if x.ndim) == 2 * n_adapter
+    before = lora.host_tree(state["params"])
+    state, m = learner.step(state, batch_of(cfg, random_rows(cfg)))
+    m = jax.device_get(m)
+    after = lora.host_tree(state["params"])
+    assert any(not np.array_equal(before[k], after[k]) for k in after if k.endswith("lora_b"))
+    assert all(np.array_equal(v, lora.host_tree(learner.base_params())[k]) for k, v in base0.items())
+    # at step 1 the adapters are zero in effect: the policy is the reference, KL is 0
+    assert abs(float(m["learner/kl"])) < 1e-6
+    state, m = learner.step(state, batch_of(cfg, random_rows(cfg, seed=1)))
+    assert float(jax.device_get(m)["learner/kl"]) > 0
+
+
+def test_lora_micro_batches_and_ppo_epochs_run_with_the_base_beside_the_state():
+    import jax
+    import numpy as np
+    from test_learner import batch_of, random_rows
+
+    from async_rl.model import lora
+    cfg, a = _learner()
+    _, b = _learner("learner.micro_batch_rows=4")
+    rows = batch_of(cfg, random_rows(cfg))
+    sa, _ = a.step(a.init_state(a.init_params()), rows)
+    sb, _ = b.step(b.init_state(b.init_params()), rows)
+    ta, tb = lora.host_tree(sa["params"]), lora.host_tree(sb["params"])
+    assert max(float(np.abs(ta[k] - tb[k]).max()) for k in ta) < 1e-5
+    _, c = _learner("learner.ppo_epochs=2", "learner.minibatches=2")
+    sc, mc = c.step(c.init_state(c.init_params()), rows)
+    assert np.isfinite(float(jax.device_get(mc)["learner/loss"]))
