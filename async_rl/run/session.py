@@ -16,6 +16,7 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from async_rl import config as C
 from async_rl import signals as sig
@@ -60,7 +61,9 @@ class Session:
                 "checkpoint (its groups are drawn again)")
         self.checkpointed = rundir.durable(parts.run_dir)
         self.last_saved = start.step if start.restored else -1
-        self.ref_params = self.learner.init_params() if self.learner.use_ref else None
+        # LoRA: the learner passes its frozen base, which is the reference, itself
+        self.ref_params = self.learner.init_params() if self.learner.use_ref and self.learner.lora is None else None
+        self.engine_base = None  # LoRA: the base as the engine reads it, published once
         if self.primary and not storage.is_remote(parts.run_dir):
             dropped = cut_events(parts.run_dir / runfiles.TB, start.step)
             if dropped:
@@ -194,7 +197,15 @@ class Session:
         learner's layout into fresh buffers (safe from the donating step). With several
         processes it does so for every process's engine in one program where the engine
         shares the learner's devices; otherwise each first gathers its copy (`publishable`)."""
-        p = self.state["params"]
+        if self.learner.lora is None:
+            return self._to_engine(self.state["params"])
+        # LoRA: the base crosses once; each version after moves its adapters only, beside
+        # the same base buffers (an engine's tree is the base's leaves and the adapters')
+        if self.engine_base is None:
+            self.engine_base = self._to_engine(self.learner.base_params())
+        return nnx.State.merge(self.engine_base, self._to_engine(self.state["params"]))
+
+    def _to_engine(self, p):
         return self.engine.load_params(self.learner.publishable(p) if self.pc > 1 and not self.engine.gathers(p) else p)
 
     def evaluate(self) -> dict:
