@@ -203,7 +203,7 @@ class Session:
         # the same base buffers (an engine's tree is the base's leaves and the adapters')
         if self.engine_base is None:
             self.engine_base = self._to_engine(self.learner.base_params())
-        return nnx.State.merge(self.engine_base, self._to_engine(self.state["params"]))
+        return nnx.merge_state(self.engine_base, self._to_engine(self.state["params"]))
 
     def _to_engine(self, p):
         return self.engine.load_params(self.learner.publishable(p) if self.pc > 1 and not self.engine.gathers(p) else p)

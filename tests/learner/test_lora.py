@@ -124,3 +124,36 @@ def test_lora_micro_batches_and_ppo_epochs_run_with_the_base_beside_the_state():
     _, c = _learner("learner.ppo_epochs=2", "learner.minibatches=2")
     sc, mc = c.step(c.init_state(c.init_params()), rows)
     assert np.isfinite(float(jax.device_get(mc)["learner/loss"]))
+
+
+# ---- publication -------------------------------------------------------------------------
+
+LORA = ["learner.lora_rank=4", "learner.lora_alpha=8", "learner.lr=3e-3", "learner.warmup_steps=0"]
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_each_publication_moves_only_the_adapters_and_the_engine_runs_them(tmp_path, monkeypatch, partial):
+    import jax
+    from helpers import cfg as make_cfg
+    from helpers import rollouts
+
+    from async_rl.obs.metrics import read_jsonl
+    from async_rl.rollout.pump import Pump
+    from async_rl.run.train import train
+    published = []
+    real = Pump.publish
+    monkeypatch.setattr(Pump, "publish", lambda self, v, p: (published.append(p), real(self, v, p))[1])
+    c = make_cfg(tmp_path, *LORA, "data.num_records=16", "rollout.prompts_per_step=2", "train.max_steps=5",
+                 "sampler.max_lookahead=0", f"rollout.partial={str(partial).lower()}", "log.rollouts=true")
+    train(c)
+    assert len(published) == 5
+    leaves = [dict(jax.tree_util.tree_flatten_with_path(p)[0]) for p in published]
+    adapters = {k for k in leaves[0] if "lora_" in jax.tree_util.keystr(k)}
+    assert adapters and all(ls.keys() == leaves[0].keys() for ls in leaves)
+    for k in leaves[0]:  # the base's buffers are the same objects in every version: never sent again
+        assert all((ls[k] is leaves[0][k]) != (k in adapters) for ls in leaves[1:]), jax.tree_util.keystr(k)
+    # synchronous steps: the engine's logprobs are the learner's, so it ran each version's adapters
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert max(r["learner/logp_diff_max"] for r in rows) < 2e-4
+    assert float(jax.numpy.abs(leaves[-1][next(k for k in adapters if "lora_b" in jax.tree_util.keystr(k))]).max()) > 0
+    assert all(min(r["versions"]) == max(r["versions"]) == r["step"] - 1 for r in rollouts(tmp_path))
