@@ -264,6 +264,8 @@ class Session:
         self.agree([])  # no process enters the save's collectives where one has failed
         meta = {"step": s, "version": s, "data_stream": compat.data_stream(self.cfg), "config": C.to_dict(self.cfg),
                 "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
+        if self.learner.lora is not None:  # the adapters are saved; the base is named and digested
+            meta["lora_base"] = self.learner.base_reference()
         self.ckpt.save(s, self.state, it_state, cut, meta)
         if self.cfg.run.determinism:
             pump.resume()
