@@ -3,9 +3,11 @@ base), a resumed run's adapters are bit-identical to the saved ones, a changed b
 in one line touching nothing, and a run SIGKILLed at random moments trains every prompt once
 (docs/design.md, "LoRA"; I1, I5)."""
 import json
+import random
 
 import pytest
 from helpers import cfg, lineage, tree_digest
+from test_crash import crash_and_finish
 
 from async_rl import config as C
 from async_rl.run.train import train
@@ -42,3 +44,31 @@ def test_checkpoint_holds_adapters_restores_them_bit_identically_and_refuses_ano
     rep = audit(tmp_path)
     assert rep["ok"], rep
     assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(12))
+
+
+CRASH = ["data.num_records=16", "rollout.prompts_per_step=2", "data.num_epochs=1", "checkpoint.every_steps=1",
+         "checkpoint.keep=2", *LORA]
+
+
+@pytest.mark.slow
+def test_lora_crash_short(tmp_path, xla_cache):
+    """Four SIGKILLs (inside a save, right after one, at random moments after steps), resumed each time."""
+    rng = random.Random(0)
+    schedule = [("at", "ckpt_write:2"), ("random", 3, rng.uniform(0, 0.4)), ("at", "ckpt_saved:4"),
+                ("random", 6, rng.uniform(0, 0.4))]
+    final = crash_and_finish(tmp_path, CRASH, xla_cache, schedule=schedule)
+    assert final["delivered"] >= 4 and final["reason"] == "data_exhausted"
+    rep = audit(tmp_path)
+    assert rep["ok"], rep
+    assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(16))
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("partial", [False, True])
+def test_soak_lora_crash_matrix(tmp_path, xla_cache, partial):
+    """The full-weight matrix's schedule (8+ kills, random moments seeded) with LoRA on."""
+    final = crash_and_finish(tmp_path, [*CRASH, f"rollout.partial={str(partial).lower()}"], xla_cache, seed=3)
+    assert final["reason"] == "data_exhausted"
+    rep = audit(tmp_path)
+    assert rep["ok"], rep
+    assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(16))
