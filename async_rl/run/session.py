@@ -202,7 +202,8 @@ class Session:
         # LoRA: the base crosses once; each version after moves its adapters only, beside
         # the same base buffers (an engine's tree is the base's leaves and the adapters')
         if self.engine_base is None:
-            self.engine_base = self._to_engine(self.learner.base_params())
+            base = self.learner.base_params()
+            self.engine_base = self.engine.adopt(base) if self.pc == 1 else self._to_engine(base)
         return nnx.merge_state(self.engine_base, self._to_engine(self.state["params"]))
 
     def _to_engine(self, p):

@@ -137,12 +137,14 @@ def test_each_publication_moves_only_the_adapters_and_the_engine_runs_them(tmp_p
     from helpers import cfg as make_cfg
     from helpers import rollouts
 
+    from async_rl.learner.step import Learner
     from async_rl.obs.metrics import read_jsonl
     from async_rl.rollout.pump import Pump
     from async_rl.run.train import train
-    published = []
-    real = Pump.publish
+    published, bases = [], []
+    real, real_base = Pump.publish, Learner.base_params
     monkeypatch.setattr(Pump, "publish", lambda self, v, p: (published.append(p), real(self, v, p))[1])
+    monkeypatch.setattr(Learner, "base_params", lambda self: (bases.append(real_base(self)), bases[-1])[1])
     c = make_cfg(tmp_path, *LORA, "data.num_records=16", "rollout.prompts_per_step=2", "train.max_steps=5",
                  "sampler.max_lookahead=0", f"rollout.partial={str(partial).lower()}", "log.rollouts=true")
     train(c)
@@ -152,8 +154,49 @@ def test_each_publication_moves_only_the_adapters_and_the_engine_runs_them(tmp_p
     assert adapters and all(ls.keys() == leaves[0].keys() for ls in leaves)
     for k in leaves[0]:  # the base's buffers are the same objects in every version: never sent again
         assert all((ls[k] is leaves[0][k]) != (k in adapters) for ls in leaves[1:]), jax.tree_util.keystr(k)
+    # fp32 base, fp32 engine, same devices: the engine reads the learner's own base buffers
+    own = {id(x) for x in jax.tree.leaves(bases[0])}
+    assert all(id(leaves[0][k]) in own for k in leaves[0] if k not in adapters)
     # synchronous steps: the engine's logprobs are the learner's, so it ran each version's adapters
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert max(r["learner/logp_diff_max"] for r in rows) < 2e-4
     assert float(jax.numpy.abs(leaves[-1][next(k for k in adapters if "lora_b" in jax.tree_util.keystr(k))]).max()) > 0
     assert all(min(r["versions"]) == max(r["versions"]) == r["step"] - 1 for r in rollouts(tmp_path))
+
+
+# ---- memory and publication size -------------------------------------------------------------
+
+def test_an_8b_lora_needs_a_frozen_base_and_adapter_moments_only_and_publishes_under_2_percent():
+    from async_rl.model import lora
+    from async_rl.model.flops import param_count
+    from async_rl.plan import memory
+    lcfg = C.load("configs/plan/llama3-8b-lora.yaml")
+    full = C.replace(lcfg, learner={"lora_rank": 0})
+    vocab = lcfg.model.vocab_size
+    n, a = param_count(lcfg.model, vocab), lora.adapter_count(lcfg, vocab)
+    # rank 16 on q, k, v, o, gate, up, down of 32 layers: r (d_in + d_out) each
+    assert a == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)
+    assert a / n < 0.02  # what each publication moves, against the full weights
+    got, was = memory.estimate(lcfg, vocab), memory.estimate(full, vocab)
+    assert got["optimizer"] == 8 * a and was["optimizer"] == 8 * n
+    assert got["engine weights"] == 2 * a  # bf16 base shared with the engine: only adapters are its own
+    assert sum(got.values()) < 80 * 2**30 < sum(was.values())  # one H100's 80 GiB: LoRA fits, full does not
+
+
+def test_plan_compiles_a_lora_step_whose_state_is_the_adapters():
+    import jax
+    import numpy as np
+
+    from async_rl.learner.step import Learner
+    from async_rl.model import sharding
+    from async_rl.plan import compile as PL
+    base = ["model.vocab_size=64", "model.learned_positions=0", "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4", "engine.max_prompt_len=8", "rollout.max_new_tokens=8", "mesh.fsdp=4"]
+    full = C.load("configs/tiny.yaml", base)
+    cfg = C.load("configs/tiny.yaml", [*base, "learner.lora_rank=4"])
+    lp, fp = (PL.plan(c, "cpu:4", cost=False, engine=False).parts["learner"] for c in (cfg, full))
+    learner = Learner(cfg, 64, sharding.learner_mesh(jax.devices()[:4], cfg.mesh))
+    n_adapters = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(learner.abstract_params))
+    # the compiled step's state: adapters (split over fsdp where they divide) and their moments
+    assert lp.fits and lp.params_bytes <= n_adapters * 4 < fp.params_bytes
+    assert lp.opt_bytes == pytest.approx(2 * lp.params_bytes, rel=0.01) and lp.opt_bytes < fp.opt_bytes / 2
