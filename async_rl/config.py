@@ -53,7 +53,6 @@ def load_callable(what: str, spec: str):
     return fn
 
 
-
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = ""  # run directory: config.yaml, logs, lineage, checkpoints; required to train
@@ -293,8 +292,7 @@ class SamplerConfig:
                self.max_buffered_groups, "must be >= 0")
 
 
-# Projections a LoRA adapter can target, and the groups `learner.lora_targets` may name.
-LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+# The groups `learner.lora_targets` may name, and the projections in them (model/lora.py uses them).
 LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
 
 
@@ -332,13 +330,6 @@ class LearnerConfig:
     lora_alpha: float = 16.0  # LoRA scale numerator: a projection adds (lora_alpha / lora_rank) * (x A) B
     lora_targets: str = "attention,mlp"  # projections given adapters: attention (q,k,v,o), mlp (gate,up,down), single names, comma-sep.
 
-    @property
-    def lora_projections(self) -> tuple[str, ...]:
-        """The projections (q, k, v, o, gate, up, down) `lora_targets` names, in that order."""
-        names = {p.strip() for p in self.lora_targets.split(",") if p.strip()}
-        want = set().union(*(LORA_GROUPS.get(n, (n,)) for n in names)) if names else set()
-        return tuple(p for p in LORA_PROJECTIONS if p in want)
-
     def __post_init__(self):
         _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
         _check(self.warmup_steps >= 0, "learner.warmup_steps", self.warmup_steps, "must be >= 0")
@@ -367,20 +358,14 @@ class LearnerConfig:
         _one_of("learner.overlong", self.overlong, ("none", "filter", "penalty"))
         _check(self.overlong_buffer >= 1, "learner.overlong_buffer", self.overlong_buffer, "must be >= 1")
         _check(self.overlong_coef >= 0, "learner.overlong_coef", self.overlong_coef, "must be >= 0")
-        self._check_lora()
+        _check(self.lora_rank >= 0, "learner.lora_rank", self.lora_rank, "must be >= 0 (0 = LoRA off)")
+        _check(self.lora_alpha > 0, "learner.lora_alpha", self.lora_alpha, "must be > 0")
+        bad = [n.strip() for n in self.lora_targets.split(",") if n.strip() not in ("attention", "mlp", *sum(LORA_GROUPS.values(), ()))]
+        _check(not bad, "learner.lora_targets", self.lora_targets, f"unknown projection {(bad or [''])[0]!r} (known: "
+               "attention, mlp, q, k, v, o, gate, up, down; comma-separated)")
         _check(self.ratio_level == "token" or self.is_correction in ("none", "seq_tis"), "learner.ratio_level",
                self.ratio_level, f"is not defined with learner.is_correction={self.is_correction} (a per-token "
                "weight on a sequence ratio); use is_correction none or seq_tis")
-
-
-    def _check_lora(self):
-        _check(self.lora_rank >= 0, "learner.lora_rank", self.lora_rank, "must be >= 0 (0 = LoRA off)")
-        _check(self.lora_alpha > 0, "learner.lora_alpha", self.lora_alpha, "must be > 0")
-        names = [p.strip() for p in self.lora_targets.split(",")]
-        known = ("attention", "mlp") + LORA_PROJECTIONS
-        bad = [n for n in names if n not in known]
-        _check(not bad, "learner.lora_targets", self.lora_targets,
-               f"unknown projection {bad[0]!r} (known: {', '.join(known)}, comma-separated)" if bad else "")
 
 
 @dataclass(frozen=True)

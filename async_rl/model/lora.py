@@ -24,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from async_rl.config import Config
+from async_rl.config import LORA_GROUPS, Config, LearnerConfig
 
+# Every projection an adapter can target, in the order a spec lists them.
+PROJECTIONS = sum(LORA_GROUPS.values(), ())
 # The adapters of a model's state, and the frozen rest (every other Param).
 ADAPTERS = nnx.LoRAParam
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
@@ -38,7 +40,7 @@ ADAPTER_DTYPE = jnp.float32
 class LoraSpec:
     rank: int
     alpha: float
-    projections: tuple[str, ...]  # of config.LORA_PROJECTIONS
+    projections: tuple[str, ...]  # of PROJECTIONS
     seed: int = 0  # seeds A; its own stream, so the base draws what a full-weight model draws
 
     @property
@@ -46,10 +48,16 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+def projections(lc: LearnerConfig) -> tuple[str, ...]:
+    """The projections `learner.lora_targets` names (groups expanded), in PROJECTIONS order."""
+    want = {p for n in lc.lora_targets.split(",") for p in LORA_GROUPS.get(n.strip(), (n.strip(),))}
+    return tuple(p for p in PROJECTIONS if p in want)
+
+
 def spec(cfg: Config) -> LoraSpec | None:
     """The run's adapters, or None for full-weight training."""
     lc = cfg.learner
-    return LoraSpec(lc.lora_rank, lc.lora_alpha, lc.lora_projections, cfg.run.seed) if lc.lora_rank else None
+    return LoraSpec(lc.lora_rank, lc.lora_alpha, projections(lc), cfg.run.seed) if lc.lora_rank else None
 
 
 def init_pair(d_in: int, d_out: int, rank: int, key, stack: int, axes: tuple) -> tuple[nnx.LoRAParam, nnx.LoRAParam]:
@@ -107,8 +115,16 @@ def base_reference(cfg: Config, base_params=None) -> dict:
     its parameters' bytes (`base_params`)."""
     if cfg.model.hf_path:
         return {"hf_path": cfg.model.hf_path, "digest": files_digest(cfg.model.hf_path)}
-    from async_rl.learner.step import params_fingerprint
-    return {"seed": cfg.run.seed, "digest": params_fingerprint(base_params)}
+    return {"seed": cfg.run.seed, "digest": weights_digest(base_params)}
+
+
+def weights_digest(params) -> str:
+    """blake2b over every parameter's path and bytes, in path order (host copies, one at a time)."""
+    h = hashlib.blake2b(digest_size=16)
+    for path, v in sorted(nnx.to_flat_state(params), key=lambda kv: tuple(map(str, kv[0]))):
+        h.update(".".join(map(str, path)).encode())
+        h.update(np.asarray(jax.device_get(v.get_value())).tobytes())
+    return h.hexdigest()
 
 
 def files_digest(path: str | Path) -> str:

@@ -21,10 +21,11 @@ def test_nonsense_lora_fields_are_refused_in_one_line(override, needle):
 
 
 def test_lora_targets_name_groups_or_single_projections():
+    from async_rl.model import lora
     lc = C.load("configs/tiny.yaml", ["learner.lora_rank=8", "learner.lora_targets=mlp, q"]).learner
-    assert lc.lora_projections == ("q", "gate", "up", "down")
+    assert lora.projections(lc) == ("q", "gate", "up", "down")
     assert C.LearnerConfig().lora_rank == 0  # off unless asked for
-    assert C.LearnerConfig(lora_rank=2).lora_projections == C.LORA_PROJECTIONS
+    assert lora.projections(C.LearnerConfig(lora_rank=2)) == ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def test_lora_with_the_vllm_backend_is_refused():
