@@ -67,8 +67,9 @@ def test_lora_crash_short(tmp_path, xla_cache):
 @pytest.mark.parametrize("partial", [False, True])
 def test_soak_lora_crash_matrix(tmp_path, xla_cache, partial):
     """The full-weight matrix's schedule (8+ kills, random moments seeded) with LoRA on."""
-    final = crash_and_finish(tmp_path, [*CRASH, f"rollout.partial={str(partial).lower()}"], xla_cache, seed=3)
+    overrides = [*CRASH, "data.num_records=32", f"rollout.partial={str(partial).lower()}"]  # 16 steps: every kill lands
+    final = crash_and_finish(tmp_path, overrides, xla_cache, seed=3)
     assert final["reason"] == "data_exhausted"
     rep = audit(tmp_path)
     assert rep["ok"], rep
-    assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(16))
+    assert sorted(r["prompt_id"] for r in lineage(tmp_path)) == list(range(32))
