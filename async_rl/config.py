@@ -53,7 +53,6 @@ def load_callable(what: str, spec: str):
     return fn
 
 
-
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = ""  # run directory: config.yaml, logs, lineage, checkpoints; required to train
@@ -293,6 +292,10 @@ class SamplerConfig:
                self.max_buffered_groups, "must be >= 0")
 
 
+# The groups `learner.lora_targets` may name, and the projections in them (model/lora.py uses them).
+LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+
+
 @dataclass(frozen=True)
 class LearnerConfig:
     lr: float = 1e-6  # peak learning rate (a pretrained model's scale; a policy trained from scratch wants far more)
@@ -323,6 +326,9 @@ class LearnerConfig:
     overlong: str = "none"  # truncated completions: none | filter (out of the loss, DAPO) | penalty (soft ramp)
     overlong_buffer: int = 1  # penalty: tokens before max_new_tokens where the ramp starts, tokens
     overlong_coef: float = 1.0  # penalty: reward subtracted at max_new_tokens, reward units
+    lora_rank: int = 0  # LoRA adapter rank r: train only adapters A [d_in, r], B [r, d_out] on a frozen base; 0 = full weights
+    lora_alpha: float = 16.0  # LoRA scale numerator: a projection adds (lora_alpha / lora_rank) * (x A) B
+    lora_targets: str = "attention,mlp"  # projections given adapters: attention (q,k,v,o), mlp (gate,up,down), single names, comma-sep.
 
     def __post_init__(self):
         _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
@@ -352,6 +358,11 @@ class LearnerConfig:
         _one_of("learner.overlong", self.overlong, ("none", "filter", "penalty"))
         _check(self.overlong_buffer >= 1, "learner.overlong_buffer", self.overlong_buffer, "must be >= 1")
         _check(self.overlong_coef >= 0, "learner.overlong_coef", self.overlong_coef, "must be >= 0")
+        _check(self.lora_rank >= 0, "learner.lora_rank", self.lora_rank, "must be >= 0 (0 = LoRA off)")
+        _check(self.lora_alpha > 0, "learner.lora_alpha", self.lora_alpha, "must be > 0")
+        bad = [n.strip() for n in self.lora_targets.split(",") if n.strip() not in ("attention", "mlp", *sum(LORA_GROUPS.values(), ()))]
+        _check(not bad, "learner.lora_targets", self.lora_targets, f"unknown projection {(bad or [''])[0]!r} (known: "
+               "attention, mlp, q, k, v, o, gate, up, down; comma-separated)")
         _check(self.ratio_level == "token" or self.is_correction in ("none", "seq_tis"), "learner.ratio_level",
                self.ratio_level, f"is not defined with learner.is_correction={self.is_correction} (a per-token "
                "weight on a sequence ratio); use is_correction none or seq_tis")
@@ -464,6 +475,8 @@ class Config:
                    "required for engine.backend=vllm (vLLM loads the Hugging Face directory)")
             _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor,
                    "engine.backend=vllm runs on one device here")
+            _check(not self.learner.lora_rank, "learner.lora_rank", self.learner.lora_rank,
+                   "needs engine.backend=builtin (the vLLM backend here loads full weights only)")
         if self.rollout.env:
             _check(not self.run.determinism, "run.determinism", True,
                    "not with rollout.env (env steps finish in any order)")

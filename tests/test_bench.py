@@ -65,3 +65,12 @@ def test_disjoint_hardware_simulation_runs_the_real_pump():
     assert 6 * 4 * 8 * 8 <= out["tokens"] <= 10 * 4 * 8 * 8 and out["calls"] >= 6
     # the simulated learner device runs one step_s step after another: no faster than 1 / step_s
     assert 0 < out["steps_per_s"] <= (1 / step_s) * (1 + 1e-6), out
+
+
+def test_the_lora_bench_prints_both_rows_and_the_ratio():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "bench/lora.py", "--config", "configs/tiny.yaml", "--rank", "4", "--prompts",
+                        "2", "--repeats", "1", "--steps", "1"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| full " in r.stdout and "| lora r=4 " in r.stdout and "LoRA / full = " in r.stdout, r.stdout

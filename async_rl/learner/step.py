@@ -9,6 +9,11 @@ rows form a step (sampler, train), their host layout and length buckets (`batch`
 loss formulas (losses), files (checkpoint), or the engine (weights leave through
 `publishable`).
 
+LoRA (`learner.lora_rank` > 0): the state's params are the adapters alone and the optimizer
+holds their moments only; the frozen base is loaded once (`base_params`) and passed to the
+step beside the state, not donated and not differentiated. The KL reference is that base
+with the adapters left out (a graphdef without them): no second copy of the weights.
+
 Updates. With `ppo_epochs` E and `minibatches` M a step makes E x M optimizer updates;
 update u trains the rows r with r % M == u % M. The proximal logprobs pi_prox are those
 of the weights at the step's start (one extra forward pass when E x M > 1; with one
@@ -35,6 +40,7 @@ from async_rl.config import Config, ConfigError
 from async_rl.learner import losses
 from async_rl.learner.batch import Batch, Row, build_batch, widen  # noqa: F401  (Row, build_batch: the learner's input)
 from async_rl.model import attention, sharding
+from async_rl.model import lora as lora_mod
 from async_rl.model.transformer import Transformer
 
 
@@ -62,8 +68,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
-def _new_model(cfg: Config, vocab_size: int, n_tokens: int = 0) -> Transformer:
-    return Transformer(cfg.model, vocab_size, rngs=nnx.Rngs(cfg.run.seed), n_tokens=n_tokens)
+def _new_model(cfg: Config, vocab_size: int, n_tokens: int = 0, lora: lora_mod.LoraSpec | None = None) -> Transformer:
+    return Transformer(cfg.model, vocab_size, rngs=nnx.Rngs(cfg.run.seed), n_tokens=n_tokens, lora=lora)
 
 
 def _log(msg: str) -> None:
@@ -91,14 +97,27 @@ class Learner:
         self.gather = sharding.layer_gatherer(mesh, cfg.model.dtype)
         self._check_splits(cfg, mesh)
         self.tx = make_optimizer(cfg)
-        abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens))
-        self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+        self.lora = lora_mod.spec(cfg)
+        abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens, self.lora))
+        if self.lora is None:
+            self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+            self.base_graphdef, self.abstract_base = self.graphdef, abstract_params
+        else:  # trained: the adapters; the base is frozen beside them
+            self.graphdef, abstract_params, self.abstract_base = nnx.split(abstract_model, lora_mod.ADAPTERS,
+                                                                           lora_mod.BASE)
+            self.base_graphdef = nnx.split(nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens)),
+                                           nnx.Param)[0]
         self.param_sh = sharding.param_shardings(abstract_params, mesh)
+        self.base_sh = sharding.param_shardings(self.abstract_base, mesh)
         self.opt_sh = sharding.opt_shardings(self.tx, abstract_params, self.param_sh, mesh)
         self.state_sh = {"params": self.param_sh, "opt": self.opt_sh}
         self.abstract_params = abstract_params
-        self._init_params = jax.jit(lambda: nnx.state(_new_model(cfg, vocab_size), nnx.Param),
+        trained = nnx.Param if self.lora is None else lora_mod.ADAPTERS
+        self._init_params = jax.jit(lambda: nnx.state(_new_model(cfg, vocab_size, lora=self.lora), trained),
                                     out_shardings=self.param_sh)
+        self._init_base = jax.jit(lambda: nnx.state(_new_model(cfg, vocab_size), nnx.Param),
+                                  out_shardings=self.base_sh)
+        self._base = self._base_ref = None  # loaded and digested on first use
         self._init_opt = jax.jit(self.tx.init, out_shardings=self.opt_sh)
         self._shared = shared_devices
         self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
@@ -106,9 +125,10 @@ class Learner:
         self._replicate = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=sharding.replicated(mesh)) \
             if jax.process_count() > 1 else None
         self.use_ref = cfg.learner.kl_coef > 0
+        # the step's second argument: the KL reference (full weights), or the frozen base (LoRA)
+        second = self.base_sh if self.lora is not None else self.param_sh if self.use_ref else None
         self._step = jax.jit(self._train_step, donate_argnums=(0,),
-                             in_shardings=(self.state_sh, self.param_sh if self.use_ref else None,
-                                           self._batch_shardings()),
+                             in_shardings=(self.state_sh, second, self._batch_shardings()),
                              out_shardings=(self.state_sh, sharding.replicated(mesh)))
 
     # deeper models are scanned on CPU too: unrolled, a 30-layer step takes many minutes to compile
@@ -124,17 +144,40 @@ class Learner:
     # ---- state -------------------------------------------------------------------------
 
     def init_params(self) -> nnx.State:
+        """The trained parameters at step 0: the weights, or with LoRA fresh adapters."""
+        if self.lora is not None:
+            return self._init_params()
+        return self._load_weights(self.param_sh)
+
+    def _load_weights(self, shardings) -> nnx.State:
         if self.cfg.model.hf_path:  # pretrained weights, each tensor read straight into its sharding
             from async_rl.model import hf
-            return hf.load_params(self.cfg.model.hf_path, self.abstract_params, self.param_sh)
-        return self._init_params()
+            return hf.load_params(self.cfg.model.hf_path, self.abstract_base, shardings)
+        return self._init_params() if self.lora is None else self._init_base()
+
+    def base_params(self) -> nnx.State:
+        """LoRA: the frozen base weights, loaded once and kept for the run."""
+        if self._base is None:
+            self._base = self._load_weights(self.base_sh)
+        return self._base
+
+    def base_reference(self) -> dict:
+        """LoRA: the base's path (or seed) and digest, as a checkpoint records them (`lora`)."""
+        if self._base_ref is None:
+            base = None
+            if not self.cfg.model.hf_path:
+                base = self.base_params()
+                if self._replicate is not None:
+                    base = jax.tree.map(lambda x: x.addressable_shards[0].data, self._replicate(base))
+            self._base_ref = lora_mod.base_reference(self.cfg, base)
+        return self._base_ref
 
     def check_init_params(self) -> None:
         """Raises where `init_params` would refuse the pretrained weights, reading only the
         files' headers (nothing is loaded)."""
         if self.cfg.model.hf_path:
             from async_rl.model import hf
-            hf.check_params(self.cfg.model.hf_path, self.abstract_params)
+            hf.check_params(self.cfg.model.hf_path, self.abstract_base)
 
     def init_state(self, params: nnx.State) -> dict:
         return {"params": params, "opt": self._init_opt(params)}
@@ -173,9 +216,19 @@ class Learner:
                   "behav_logp_BxN": 2, "mask_BxN": 2, "rewards_B": 1, "row_valid_B": 1, "truncated_B": 1}
         return {k: sharding.batch_sharding(self.mesh, nd) for k, nd in shapes.items()}
 
-    def _logprobs(self, params, b):
+    def _model(self, params, second):
+        """The policy: the weights, or the frozen base (`second`) with the adapters."""
+        return nnx.merge(self.graphdef, params) if self.lora is None else nnx.merge(self.graphdef, second, params)
+
+    def _ref_model(self, second):
+        """The KL reference: the initial weights, or the base without adapters."""
+        return nnx.merge(self.base_graphdef, second)
+
+    def _logprobs(self, params, b, second=None):
         """Completion-token logprobs and entropies; only the Nb predicting columns reach the vocabulary."""
-        model = nnx.merge(self.graphdef, params)
+        return self._model_logprobs(self._model(params, second), b)
+
+    def _model_logprobs(self, model, b):
         t, n = b["tokens_BxT"].shape[1], b["completion_BxN"].shape[1]
         pb = t - n  # the batch's prompt width; its column 0 is the engine's column P - pb
         x = model.hidden(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"], col_offset=self.P - pb,
@@ -200,7 +253,7 @@ class Learner:
     def _loss(self, params, ref_params, mb, denom):
         """One micro-batch's share of the update's loss (its sums over the update's token count)."""
         lc = self.cfg.learner
-        logp, ent = self._logprobs(params, mb)
+        logp, ent = self._logprobs(params, mb, ref_params)
         mask = mb["mask_BxN"]
         low, high = lc.clip_eps_low or lc.clip_eps, lc.clip_eps_high or lc.clip_eps
         loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask, clip_eps=low, clip_high=high,
@@ -208,7 +261,7 @@ class Learner:
                                          denom=denom, ratio_level=lc.ratio_level, row_w_B=mb.get("row_w_B"))
         stats["approx_kl"] = losses.approx_kl(logp, mb["behav_logp_BxN"], mask, denom)
         if self.use_ref:
-            ref_logp, _ = self._logprobs(ref_params, mb)
+            ref_logp, _ = self._model_logprobs(self._ref_model(ref_params), mb)
             kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp), mask, denom)
             loss = loss + lc.kl_coef * kl
             stats["kl"] = kl
@@ -241,12 +294,12 @@ class Learner:
         (loss, stats, grads), _ = jax.lax.scan(micro, acc0, self._split(rows, k), unroll=self.unroll or 1)
         return loss, stats, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
-    def _prox_logprobs(self, params, rows):
+    def _prox_logprobs(self, params, ref_params, rows):
         """pi_prox: the step-start weights' logprobs of every row, micro-batch by micro-batch."""
         k = self._micro_count(rows["mask_BxN"].shape[0])
         if k == 1:
-            return jax.lax.stop_gradient(self._logprobs(params, rows)[0])
-        _, lp = jax.lax.scan(lambda c, mb: (c, self._logprobs(params, mb)[0]), None, self._split(rows, k),
+            return jax.lax.stop_gradient(self._logprobs(params, rows, ref_params)[0])
+        _, lp = jax.lax.scan(lambda c, mb: (c, self._logprobs(params, mb, ref_params)[0]), None, self._split(rows, k),
                              unroll=self.unroll or 1)
         return jax.lax.stop_gradient(lp.swapaxes(0, 1).reshape(rows["mask_BxN"].shape))
 
@@ -274,7 +327,7 @@ class Learner:
             state, stats = self._update(state, ref_params, rows)
         else:
             if lc.is_correction != "none":  # "none" clips against the behaviour policy instead
-                rows["prox_BxN"] = self._prox_logprobs(state["params"], rows)
+                rows["prox_BxN"] = self._prox_logprobs(state["params"], ref_params, rows)
             parts = self._split(rows, m)
 
             def one(state, i):
@@ -307,7 +360,10 @@ class Learner:
         return widen(batch, p, n, pad_id)
 
     def step(self, state, batch: Batch, ref_params=None):
-        """Dispatches one step (returns at once; metrics are device arrays)."""
+        """Dispatches one step (returns at once; metrics are device arrays). With LoRA the
+        frozen base goes where the KL reference would (it is the reference)."""
+        if self.lora is not None:
+            ref_params = self.base_params()
         batch = self.agreed(batch)
         if batch.widths not in self.compiled_widths:
             self.compiled_widths.add(batch.widths)

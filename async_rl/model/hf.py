@@ -576,3 +576,41 @@ def save_hf(params, model_cfg: ModelConfig, vocab_size: int, out_dir: str | Path
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=2))
     (out / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
     return out
+
+
+# --- PEFT adapters --------------------------------------------------------------------------
+
+PEFT_PREFIX = "base_model.model."  # PEFT's wrapper names the HF model's modules under this
+
+
+def peft_tensors(adapters, gemma: bool = False) -> list[tuple[str, Any, bool]]:
+    """(PEFT tensor name, leaf or layer, transposed) for each adapter of an nnx.State of
+    `lora_a` [.., d_in, r] / `lora_b` [.., r, d_out]: PEFT's lora_A is [r, d_in] and lora_B
+    [d_out, r], named after the HF projection (`...q_proj.lora_A.weight`)."""
+    out = []
+    for ours, leaf in _flat(adapters)[0]:
+        leaf = leaf.get_value() if _is_var(leaf) else leaf
+        module, _, which = ours.rpartition(".")
+        suffix = {"lora_a": ".lora_A.weight", "lora_b": ".lora_B.weight"}[which]
+        for name, _, layer, transposed in hf_tensors(f"{module}.kernel", tuple(leaf.shape), gemma):
+            out.append((PEFT_PREFIX + name.removesuffix(".weight") + suffix,
+                        leaf if layer is None else _Layer(leaf, layer), transposed))
+    return out
+
+
+def save_peft(adapters, out_dir: str | Path, *, rank: int, alpha: float, base_path: str = "",
+              gemma: bool = False) -> Path:
+    """Writes `adapters` as a PEFT LoRA directory: adapter_config.json and
+    adapter_model.safetensors (fp32), which `peft.PeftModel.from_pretrained` puts on the base."""
+    items = [(n, leaf, t, np.dtype(np.float32)) for n, leaf, t in peft_tensors(adapters, gemma)]
+    items.sort(key=lambda it: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", it[0])])
+    modules = sorted({n.split(".")[-3] for n, *_ in items})
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_file(out / "adapter_model.safetensors", items)
+    doc = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+           "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+           "use_rslora": False, "use_dora": False, "inference_mode": True, "init_lora_weights": True,
+           "modules_to_save": None, "base_model_name_or_path": base_path}
+    (out / "adapter_config.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return out

@@ -35,6 +35,7 @@ from flax import nnx
 
 from async_rl.config import ModelConfig
 from async_rl.model import attention
+from async_rl.model import lora as lora_mod
 from async_rl.model.sharding import is_var as _is_var
 
 REMAT = ("none", "block", "dots")
@@ -106,20 +107,35 @@ def _stacked(stack: int, shape: tuple, axes: tuple):
 
 
 class Linear(nnx.Module):
+    """x W (+ b); with `lora` (a LoraSpec and this projection's key) also scale * (x A) B."""
+
     def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool, std: float, cfg: ModelConfig,
-                 rngs: nnx.Rngs, stack: int = 0):
+                 rngs: nnx.Rngs, stack: int = 0, lora: tuple | None = None):
         pdt = jnp.dtype(cfg.param_dtype)
         self.dtype = jnp.dtype(cfg.dtype)
         shape, kaxes = _stacked(stack, (d_in, d_out), axes)
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), shape, pdt), axes=kaxes)
         bshape, baxes = _stacked(stack, (d_out,), (axes[1],))
         self.bias = nnx.Param(jnp.zeros(bshape, pdt), axes=baxes) if bias else None
+        if lora is not None:
+            spec, key = lora
+            self.lora_a, self.lora_b = lora_mod.init_pair(d_in, d_out, spec.rank, key, stack, axes)
+            self.lora_scale = spec.scale
+        else:
+            self.lora_a = self.lora_b = None
+
+    def delta(self, x):
+        """The adapter's term for input x (None without an adapter)."""
+        if self.lora_a is None:
+            return None
+        return lora_mod.delta(x, self.lora_a[...], self.lora_b[...], self.lora_scale, self.dtype)
 
     def __call__(self, x):
         y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return y
+        d = self.delta(x)
+        return y if d is None else y + d
 
 
 class Embed(nnx.Module):
@@ -194,8 +210,15 @@ def rope(x_BxTxHxD, positions_BxT, theta: float, scaling: tuple = ()):
     return (x * cos + rotated * sin).astype(x_BxTxHxD.dtype)
 
 
+def _lora_for(lora: tuple | None, name: str, index: int) -> tuple | None:
+    """(spec, key) for projection `name` when the spec targets it; `lora` is (spec, block key)."""
+    if lora is None or name not in lora[0].projections:
+        return None
+    return lora[0], jax.random.fold_in(lora[1], index)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0, lora: tuple | None = None):
         d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.theta = h, g, hd, cfg.rope_theta
         self.rope_scaling = rope_scaling(cfg)
@@ -205,12 +228,13 @@ class Attention(nnx.Module):
         self.q_scale = math.sqrt(hd / qpas) if qpas and qpas != hd else 1.0
         std = 1.0 / math.sqrt(d)
         kw = dict(bias=cfg.qkv_bias, std=std, cfg=cfg, rngs=rngs, stack=stack)
-        self.q = Linear(d, h * hd, ("embed", "heads"), **kw)
-        self.k = Linear(d, g * hd, ("embed", "kv_heads"), **kw)
-        self.v = Linear(d, g * hd, ("embed", "kv_heads"), **kw)
+        self.q = Linear(d, h * hd, ("embed", "heads"), **kw, lora=_lora_for(lora, "q", 0))
+        self.k = Linear(d, g * hd, ("embed", "kv_heads"), **kw, lora=_lora_for(lora, "k", 1))
+        self.v = Linear(d, g * hd, ("embed", "kv_heads"), **kw, lora=_lora_for(lora, "v", 2))
         # Residual-branch outputs scaled down so the stream's variance stays O(1) with depth.
         o_std = 1.0 / math.sqrt(h * hd) / math.sqrt(2 * cfg.n_layers)
-        self.o = Linear(h * hd, d, ("heads", "embed"), bias=False, std=o_std, cfg=cfg, rngs=rngs, stack=stack)
+        self.o = Linear(h * hd, d, ("heads", "embed"), bias=False, std=o_std, cfg=cfg, rngs=rngs, stack=stack,
+                        lora=_lora_for(lora, "o", 3))
         if cfg.qk_norm:  # one [hd] scale shared by every head
             self.q_norm = RMSNorm(hd, cfg=cfg, stack=stack, axis=None)
             self.k_norm = RMSNorm(hd, cfg=cfg, stack=stack, axis=None)
@@ -248,12 +272,13 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0, lora: tuple | None = None):
         d, f = cfg.d_model, cfg.d_ff
         kw = dict(bias=False, cfg=cfg, rngs=rngs, stack=stack)
-        self.gate = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw)
-        self.up = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw)
-        self.down = Linear(f, d, ("mlp", "embed"), std=1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers), **kw)
+        self.gate = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw, lora=_lora_for(lora, "gate", 4))
+        self.up = Linear(d, f, ("embed", "mlp"), std=1 / math.sqrt(d), **kw, lora=_lora_for(lora, "up", 5))
+        self.down = Linear(f, d, ("mlp", "embed"), std=1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers), **kw,
+                           lora=_lora_for(lora, "down", 6))
         # Gemma's GeGLU uses the tanh approximation of gelu (HF gelu_pytorch_tanh)
         self.act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else jax.nn.silu
 
@@ -267,17 +292,22 @@ class MLP(nnx.Module):
         dt = self.gate.dtype
         w_Dx2xF = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1).astype(dt)
         y = jnp.einsum("...d,dkf->...kf", x.astype(dt), w_Dx2xF)
-        return self.down(shard(self.act(y[..., 0, :]) * y[..., 1, :], features=True))
+        g, u = y[..., 0, :], y[..., 1, :]
+        if (dg := self.gate.delta(x)) is not None:
+            g = g + dg
+        if (du := self.up.delta(x)) is not None:
+            u = u + du
+        return self.down(shard(self.act(g) * u, features=True))
 
 
 class Block(nnx.Module):
     """One transformer block; built with `stack=L` it holds all L blocks' parameters."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0, lora: tuple | None = None):
         self.attn_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack)
-        self.attn = Attention(cfg, rngs=rngs, stack=stack)
+        self.attn = Attention(cfg, rngs=rngs, stack=stack, lora=lora)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack)
-        self.mlp = MLP(cfg, rngs=rngs, stack=stack)
+        self.mlp = MLP(cfg, rngs=rngs, stack=stack, lora=lora)
         # Gemma normalises each branch's output too, before it joins the residual stream
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack) if cfg.gemma else None
         self.post_mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack) if cfg.gemma else None
@@ -294,10 +324,11 @@ class Block(nnx.Module):
         return shard(x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m)))
 
 
-def _stack_blocks(blocks: list[Block], cfg: ModelConfig) -> Block:
+def _stack_blocks(blocks: list[Block], cfg: ModelConfig, lora=None) -> Block:
     """One Block holding `blocks`' parameters stacked on a leading "layers" axis. Blocks are
     initialised one by one, so a model draws the same initial values as unstacked layers."""
-    stacked = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), stack=len(blocks)))
+    shape_lora = None if lora is None else (lora, jax.random.key(0))
+    stacked = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), stack=len(blocks), lora=shape_lora))
     target = jax.tree_util.tree_flatten_with_path(nnx.state(stacked), is_leaf=_is_var)[0]
     per_layer = [jax.tree.leaves(nnx.state(b), is_leaf=_is_var) for b in blocks]
     for i, (_, var) in enumerate(target):
@@ -322,13 +353,20 @@ class Transformer(nnx.Module):
 
     `n_tokens`: the tokenizer's vocabulary size when the embedding has more rows (Hugging
     Face checkpoints pad it); logits of ids >= n_tokens are `OUTSIDE_LOGIT`. It lives in the
-    graphdef, so the engine's sampling and the learner's logprobs share the mask."""
+    graphdef, so the engine's sampling and the learner's logprobs share the mask.
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs, n_tokens: int = 0):
+    `lora`: a `lora.LoraSpec`; the targeted projections then also hold adapters
+    (`nnx.LoRAParam`, drawn from their own key, so the base is what it is without them)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs, n_tokens: int = 0,
+                 lora: lora_mod.LoraSpec | None = None):
         self.cfg = cfg
         self.n_tokens = n_tokens if 0 < n_tokens < vocab_size else 0
         self.embed = Embed(vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
-        self.layers = _stack_blocks([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)], cfg)
+        key = None if lora is None else jax.random.fold_in(jax.random.key(lora.seed), 0x10A)
+        self.layers = _stack_blocks([Block(cfg, rngs=rngs, lora=None if lora is None else
+                                           (lora, jax.random.fold_in(key, i))) for i in range(cfg.n_layers)],
+                                    cfg, lora)
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg)
         # Optional learned table indexed by column: prompts end at a fixed column, so a
         # position-keyed task (reversal) sees "=" at the same absolute index every time.

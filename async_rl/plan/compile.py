@@ -178,6 +178,9 @@ def _lower(cfg: C.Config, vocab: int, mesh: Mesh, unroll: bool):
     learner = Learner(cfg, vocab, mesh, log=lambda _: None, unroll=unroll)
     state = learner.abstract_state()
     ref = state["params"] if learner.use_ref else None
+    if learner.lora is not None:  # the frozen base goes where the reference would
+        ref = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), learner.abstract_base,
+                           learner.base_sh)
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     batch = _abstract_batch(learner, rows, cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens,
                             cfg.rollout.max_new_tokens)

@@ -2,7 +2,8 @@
 
 Owns: the bytes a run needs at least (parameters in their storage dtype, Adam's two fp32
 moments, the engine's copy of the weights in the compute dtype, a frozen reference copy
-when the KL penalty is on, the KV cache), the host memory that size fields make a process
+when the KL penalty is on, the KV cache; with LoRA the frozen base and the adapters'
+parameters and moments), the host memory that size fields make a process
 allocate whatever the model (a step's batch arrays, the synthetic record index), and the
 memory the job can use (the device's limit where the backend reports one, else the host's
 available memory). Does not own:
@@ -25,10 +26,23 @@ def estimate(cfg: Config, vocab: int) -> dict[str, int]:
     p_bytes, c_bytes = _BYTES.get(m.param_dtype, 4), _BYTES.get(m.dtype, 4)
     width = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
     kv = 2 * m.n_layers * cfg.engine.max_concurrent_decodes * width * m.n_kv_heads * m.resolved_head_dim * c_bytes
+    if cfg.learner.lora_rank:
+        return _lora_estimate(cfg, vocab, n, p_bytes, c_bytes, kv)
     out = {"parameters": n * p_bytes, "optimizer": 2 * n * 4, "engine weights": n * c_bytes, "KV cache": kv}
     if cfg.learner.kl_coef > 0:
         out["reference model"] = n * p_bytes
     return out
+
+
+def _lora_estimate(cfg: Config, vocab: int, n: int, p_bytes: int, c_bytes: int, kv: int) -> dict[str, int]:
+    """LoRA: the frozen base (no moments, and the KL reference itself), fp32 adapters with
+    Adam's moments, the engine's adapters; the engine's base is the learner's own buffers
+    where it shares their devices and dtype (`Engine.adopt`), else a copy."""
+    from async_rl.model import lora
+    a = lora.adapter_count(cfg, vocab)
+    shared = cfg.mesh.engine_devices == 0 and p_bytes == c_bytes
+    return {"frozen base": n * p_bytes, "adapters": a * 4, "optimizer": 2 * a * 4,
+            "engine weights": (0 if shared else n * c_bytes) + a * c_bytes, "KV cache": kv}
 
 
 def host_estimate(cfg: Config, processes: int = 1) -> dict[str, tuple[int, str]]:

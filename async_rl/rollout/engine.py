@@ -333,6 +333,12 @@ class Engine:
                 return False
         return True
 
+    def adopt(self, params):
+        """`params` as the engine reads them: as they are where they already have its dtypes
+        and shardings (a frozen LoRA base on shared devices: no second copy, and nothing may
+        donate it), else `load_params`'s fresh copy."""
+        return params if self._placed(params) else self.load_params(params)
+
     def update_params(self, params, version: int) -> None:
         """Swaps in new weights; same shapes, dtypes and placement, so nothing recompiles."""
         if self.params is not None:

@@ -147,7 +147,9 @@ def choose_start(parts: Parts, log) -> Start:
         return Start(step=0, ledger=Ledger(cfg.rollout.samples_per_prompt), state=None, restart=True)
     damaged: list[DamagedStep] = []
     if steps:
-        choice = ckpt.restore_latest(parts.learner.abstract_state(), cfg=cfg, warn=lambda m: log(f"warning: {m}"))
+        base = parts.learner.base_reference if parts.learner.lora is not None else None
+        choice = ckpt.restore_latest(parts.learner.abstract_state(), cfg=cfg, warn=lambda m: log(f"warning: {m}"),
+                                     base=base)
         damaged = choice.damaged
         if choice.restored is not None:
             return resumed(parts, choice.restored, damaged, log)

@@ -1,4 +1,6 @@
 """`async-rl export RUN_DIR [--step N] --out DIR`: a run's policy as a Hugging Face directory.
+A LoRA run's is its base with the adapters merged in, plus the adapters alone as a PEFT
+directory in `DIR/adapter` (adapter_config.json + adapter_model.safetensors).
 
 Owns: assembling the output directory: weights and config.json (through `hf.save_hf`) plus
 the tokenizer files when the run used a Hugging Face tokenizer, written whole into a
@@ -20,8 +22,8 @@ from async_rl import config as C
 from async_rl import faults
 from async_rl.data.tokenizer import HFTokenizer
 from async_rl.errors import UsageError
-from async_rl.model import hf
-from async_rl.state.saved_run import open_run, read_params
+from async_rl.model import hf, lora
+from async_rl.state.saved_run import open_run, read_lora, read_params
 from async_rl.store import runfiles
 
 
@@ -29,6 +31,8 @@ class ExportError(UsageError):
     """An --out that cannot be written as asked (exit 2); nothing was changed."""
 
 # Files a tokenizer directory may hold that a server needs beside the weights.
+# A LoRA run's PEFT adapter directory, inside the export
+ADAPTER_DIR = "adapter"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -51,7 +55,7 @@ def _refuse_out(out: Path) -> None:
         raise ExportError(f"--out {out}: an existing file, not a directory; choose a new or existing export "
                           "directory (nothing was changed)")
     if out.is_dir():
-        ours = {"config.json", hf.INDEX, *TOKENIZER_FILES}
+        ours = {"config.json", hf.INDEX, ADAPTER_DIR, *TOKENIZER_FILES}
         other = sorted(p.name for p in out.iterdir()
                        if not (p.name in ours or (p.name.startswith("model") and p.name.endswith(".safetensors"))))
         if other:
@@ -104,7 +108,12 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
         raise ValueError(f"model.learned_positions={cfg.model.learned_positions} in {run.run_dir / runfiles.CONFIG}: "
                          "a learned position table has no Hugging Face Llama/Qwen2 equivalent; such a run cannot "
                          "be exported")
-    step, params = read_params(run, step, warn=warn)
+    adapters = None
+    if cfg.learner.lora_rank:
+        step, adapters, base_params = read_lora(run, step, warn=warn)
+        params = lora.merged(base_params, adapters, lora.spec(cfg).scale)
+    else:
+        step, params = read_params(run, step, warn=warn)
     extra = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     base = _base_config(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +122,9 @@ def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-{os.getpid()}-", dir=out.parent))
     try:
         hf.save_hf(params, cfg.model, vocab, tmp, dtype=dtype, base_config=base, extra_config=None if base else extra)
+        if adapters is not None:
+            hf.save_peft(adapters, tmp / ADAPTER_DIR, rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha,
+                         base_path=cfg.model.hf_path, gemma=cfg.model.gemma)
         if isinstance(tok, HFTokenizer):
             # generation_config.json usually sits beside the original weights, not the tokenizer
             dirs = [tok.path] + ([Path(cfg.model.hf_path).expanduser()] if cfg.model.hf_path else [])

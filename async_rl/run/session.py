@@ -16,6 +16,7 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from async_rl import config as C
 from async_rl import signals as sig
@@ -60,7 +61,9 @@ class Session:
                 "checkpoint (its groups are drawn again)")
         self.checkpointed = rundir.durable(parts.run_dir)
         self.last_saved = start.step if start.restored else -1
-        self.ref_params = self.learner.init_params() if self.learner.use_ref else None
+        # LoRA: the learner passes its frozen base, which is the reference, itself
+        self.ref_params = self.learner.init_params() if self.learner.use_ref and self.learner.lora is None else None
+        self.engine_base = None  # LoRA: the base as the engine reads it, published once
         if self.primary and not storage.is_remote(parts.run_dir):
             dropped = cut_events(parts.run_dir / runfiles.TB, start.step)
             if dropped:
@@ -194,7 +197,16 @@ class Session:
         learner's layout into fresh buffers (safe from the donating step). With several
         processes it does so for every process's engine in one program where the engine
         shares the learner's devices; otherwise each first gathers its copy (`publishable`)."""
-        p = self.state["params"]
+        if self.learner.lora is None:
+            return self._to_engine(self.state["params"])
+        # LoRA: the base crosses once; each version after moves its adapters only, beside
+        # the same base buffers (an engine's tree is the base's leaves and the adapters')
+        if self.engine_base is None:
+            base = self.learner.base_params()
+            self.engine_base = self.engine.adopt(base) if self.pc == 1 else self._to_engine(base)
+        return nnx.merge_state(self.engine_base, self._to_engine(self.state["params"]))
+
+    def _to_engine(self, p):
         return self.engine.load_params(self.learner.publishable(p) if self.pc > 1 and not self.engine.gathers(p) else p)
 
     def evaluate(self) -> dict:
@@ -253,6 +265,8 @@ class Session:
         self.agree([])  # no process enters the save's collectives where one has failed
         meta = {"step": s, "version": s, "data_stream": compat.data_stream(self.cfg), "config": C.to_dict(self.cfg),
                 "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
+        if self.learner.lora is not None:  # the adapters are saved; the base is named and digested
+            meta["lora_base"] = self.learner.base_reference()
         self.ckpt.save(s, self.state, it_state, cut, meta)
         if self.cfg.run.determinism:
             pump.resume()

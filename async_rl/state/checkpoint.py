@@ -33,7 +33,7 @@ from async_rl import config as C
 from async_rl import faults
 from async_rl.buffer.ledger import Capture, LedgerSnapshot
 from async_rl.errors import RunFailure, UsageError
-from async_rl.model import sharding
+from async_rl.model import lora, sharding
 from async_rl.state import compat, orbax_patch
 from async_rl.state.items import (
     Damaged,
@@ -254,14 +254,16 @@ class Checkpointer:
 
     # ---- restoring -----------------------------------------------------------------------
 
-    def restore_latest(self, abstract_state, *, cfg: C.Config | None = None, warn: Callable = print) -> Choice:
+    def restore_latest(self, abstract_state, *, cfg: C.Config | None = None, warn: Callable = print,
+                       base: Callable[[], dict] | None = None) -> Choice:
         """The newest step that restores whole and verified on every process. A damaged step
         is skipped with a warning (the caller sets it aside once it holds the run); a step that
-        does not fit `cfg` raises CheckpointError/ConfigError (nothing is touched)."""
+        does not fit `cfg` (or, LoRA, whose adapters were trained on another base than `base()`
+        describes) raises CheckpointError/ConfigError (nothing is touched)."""
         damaged: list[DamagedStep] = []
         for step in reversed(self.steps()):
             try:
-                got, err = self.restore(step, abstract_state, cfg=cfg), None
+                got, err = self.restore(step, abstract_state, cfg=cfg, base=base), None
             except Damaged as e:
                 got, err = None, e
             if sharding.agree([got is not None]).all():
@@ -271,13 +273,16 @@ class Checkpointer:
             damaged.append(DamagedStep(step, why))
         return Choice(None, damaged)
 
-    def restore(self, step: int, abstract_state, *, cfg: C.Config | None = None) -> Restored:
+    def restore(self, step: int, abstract_state, *, cfg: C.Config | None = None,
+                base: Callable[[], dict] | None = None) -> Restored:
         """Restores and verifies step `step`; raises Damaged, or ConfigError for a config that
-        does not fit it."""
+        does not fit it (or adapters trained on another base than `base()`, LoRA)."""
         orbax_patch.quiet_closed_loops()
         d = step_dir(self.directory, step)
         meta = self.read_meta(step)
         changes = _check_config(meta, cfg, d) if cfg is not None else []
+        if base is not None and "lora_base" in meta:
+            lora.check_base(meta["lora_base"], base(), f"{d.parent} (step {step})")
         reset = _check_structure(d / "state", abstract_state, cfg, changes)
         saved_pc, pc = int(meta.get("processes", 1)), jax.process_count()
         shards = [self._read_shard(d, p, saved_pc) for p in range(saved_pc)] \
@@ -374,6 +379,12 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
         raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
                             f"{c.key}={c.saved!r}; changing it would change which prompts the saved iterator and "
                             "ledger mean. Revert it or use a new run.dir (nothing was changed)")
+    lora = [c for c in changes if c.kind == "lora"]
+    if lora:
+        c = lora[0]
+        raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
+                            f"{c.key}={c.saved!r}; its adapters (and their optimizer state) exist only in that "
+                            "form. Revert it or use a new run.dir (nothing was changed)")
     lowered = [c for c in changes if c.kind == "lowered"]
     if lowered:
         c = lowered[0]

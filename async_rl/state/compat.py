@@ -28,6 +28,8 @@ STATE_FIELDS = (
     "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
     "model.param_dtype", "model.qk_norm", "model.gemma", "learner.grad_clip",
 )
+# The adapters' shapes and meaning (a LoRA checkpoint holds adapters only, trained on one base).
+LORA_FIELDS = ("learner.lora_rank", "learner.lora_alpha", "learner.lora_targets")
 # These may grow on resume but not shrink: the saved iterator and ledger may hold what a lower
 # value cannot (epochs already drawn; partial completions longer than the new cap).
 NO_LOWER_FIELDS = {
@@ -41,7 +43,7 @@ class Change:
     key: str  # group.field
     saved: Any
     now: Any
-    kind: str  # free | state | stream | lowered
+    kind: str  # free | state | stream | lowered | lora
 
     def __str__(self) -> str:
         return f"{self.key}: saved {self.saved!r}, now {self.now!r}"
@@ -66,6 +68,8 @@ def changes(saved: dict[str, dict[str, Any]], cfg: Config) -> list[Change]:
             old = saved[g][name]
             if key in DATA_STREAM_FIELDS or key in EPISODE_FIELDS:
                 kind = "stream"
+            elif key in LORA_FIELDS:
+                kind = "lora"
             elif key in NO_LOWER_FIELDS and value < old:
                 kind = "lowered"
             elif key in STATE_FIELDS and _state_value(key, old) != _state_value(key, value):

@@ -189,7 +189,12 @@ def _host_sharding():
 
 def read_params(run: SavedRun, step: int | None = None, warn: Callable[[str], None] = print) -> tuple[int, Any]:
     """(step, the model parameters of `step` or of the newest step that verifies), on one host
-    device; the optimizer, iterator and ledger are not read."""
+    device; the optimizer, iterator and ledger are not read. A LoRA run's parameters are its
+    base with the step's adapters merged in (`read_lora`)."""
+    if run.cfg.learner.lora_rank:
+        from async_rl.model import lora
+        step, adapters, base = read_lora(run, step, warn)
+        return step, lora.merged(base, adapters, lora.spec(run.cfg).scale)
     import jax
     from flax import nnx
 
@@ -199,6 +204,33 @@ def read_params(run: SavedRun, step: int | None = None, warn: Callable[[str], No
     sh = _host_sharding()
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), aparams)
     return read_verified(run, lambda ck, s: ck.read_params(s, target), step, warn)
+
+
+def read_lora(run: SavedRun, step: int | None = None, warn: Callable[[str], None] = print) -> tuple[int, Any, Any]:
+    """(step, adapters, base) of a LoRA run on one host device: the step's adapters, verified,
+    and the base its meta names (model.hf_path, or the random init of run.seed), refused
+    (ConfigError, one line) when its digest is not the one the adapters were trained on."""
+    import jax
+    from flax import nnx
+
+    from async_rl.model import lora
+    from async_rl.model.transformer import Transformer
+    cfg, sh = run.cfg, _host_sharding()
+    spec = lora.spec(cfg)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, run.vocab, rngs=nnx.Rngs(0), lora=spec))
+    _, aadapters, abase = nnx.split(abstract, lora.ADAPTERS, lora.BASE)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), aadapters)
+    step, (adapters, meta) = read_verified(run, lambda ck, s: (ck.read_params(s, target), ck.read_meta(s)), step,
+                                           warn)
+    where = f"{run.ckpt_dir} (step {step})"
+    if cfg.model.hf_path:  # its files are digested before anything is loaded
+        from async_rl.model import hf
+        lora.check_base(meta.get("lora_base"), lora.base_reference(cfg), where)
+        return step, adapters, hf.load_params(cfg.model.hf_path, abase, sh)
+    with jax.default_device(next(iter(sh.device_set))):  # the learner's random init: run.seed, no adapters
+        base = jax.jit(lambda: nnx.state(Transformer(cfg.model, run.vocab, rngs=nnx.Rngs(cfg.run.seed)), nnx.Param))()
+    lora.check_base(meta.get("lora_base"), lora.base_reference(cfg, base), where)
+    return step, adapters, base
 
 
 def read_ledgers(run_dir: str | Path, warn: Callable[[str], None]) -> tuple[int, dict, list] | None:
