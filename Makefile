@@ -60,10 +60,11 @@ $(RM_STAMP): $(STAMP)
 
 # Logits of the HF loader vs. transformers' own Llama/Qwen2 on CPU torch (too heavy for CI,
 # which compares against a NumPy reference instead), also on SmolLM2-135M-Instruct (built as
-# by `make real-model`; skipped where it cannot be). Installs torch + transformers into .venv.
+# by `make real-model`; skipped where it cannot be), and a LoRA export loaded by peft onto its base.
+# Installs torch, transformers and peft into .venv.
 TORCH_WHEEL ?= $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl)
 parity: $(RM_STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0"
+	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0" "peft==0.21.2"
 	-$(BIN)/python tests/real_model.py
 	ASYNC_RL_PARITY=1 $(BIN)/python -m pytest -q -m parity -s tests
 

@@ -67,6 +67,7 @@ def test_disjoint_hardware_simulation_runs_the_real_pump():
     assert 0 < out["steps_per_s"] <= (1 / step_s) * (1 + 1e-6), out
 
 
+@pytest.mark.soak  # two learners compiled; LoRA's publication is tested in tests/learner/test_lora.py
 def test_the_lora_bench_prints_both_rows_and_the_ratio():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "bench/lora.py", "--config", "configs/tiny.yaml", "--rank", "4", "--prompts",
