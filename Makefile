@@ -58,9 +58,10 @@ $(RM_STAMP): $(STAMP)
 	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,real-model]"
 	@touch $(RM_STAMP)
 
-# Logits of the HF loader vs. transformers' own Llama/Qwen2 on CPU torch (too heavy for CI,
-# which compares against a NumPy reference instead), also on SmolLM2-135M-Instruct (built as
-# by `make real-model`; skipped where it cannot be). Installs torch + transformers into .venv.
+# Logits of the HF loader vs. transformers' own Llama/Qwen2/Qwen3/Gemma 3 on CPU torch (too heavy
+# for CI, which compares against a NumPy reference instead), also on SmolLM2-135M-Instruct and
+# Gemma 3 270M (built as by `make real-model`; skipped where they cannot be), and Gemma's token
+# ids vs. transformers' GGUF tokenizer. Installs torch + transformers into .venv.
 TORCH_WHEEL ?= $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl)
 parity: $(RM_STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0"
