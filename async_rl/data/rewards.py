@@ -23,7 +23,7 @@ RewardFn = Callable[[str, str], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
 _TASK_REWARDS = {"reverse": "reverse", "addition": "addition", "word_problem": "math_answer", "lookup": "exact_match",
-                 "recall": "digits"}
+                 "recall": "digits", "sequence": "first_number"}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -165,6 +165,14 @@ def math_answer_reward(completion: str, answer: str) -> float:
     if pred is None:
         return 0.0
     return float(math_equal(pred, _reference_answer(answer)))
+
+
+@register_reward("first_number")
+def first_number_reward(completion: str, answer: str) -> float:
+    """1 when the completion's first number is the answer: a base model continuing a list
+    writes the next item, then more (" 40, 47, 54"), and only the first is asked for."""
+    found = _LAST_ANSWER.search(completion.replace("\u2212", "-"))
+    return float(found is not None and math_equal(found.group(0), _reference_answer(answer)))
 
 
 # --- lookup ----------------------------------------------------------------------------

@@ -474,8 +474,11 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, dtype: str, base: dict | 
                rope_scaling=scaling, tie_word_embeddings=model_cfg.tie_embeddings, torch_dtype=dtype)
     if mt == "gemma3_text":
         every = m.global_every or m.n_layers + 1
+        scalar = m.query_pre_attn_scalar or m.resolved_head_dim
+        # transformers' Gemma3TextConfig validates this field as an int (published files write 256)
+        scalar = int(scalar) if float(scalar).is_integer() else scalar
         doc.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False, attn_logit_softcapping=None,
-                   query_pre_attn_scalar=m.query_pre_attn_scalar or m.resolved_head_dim,
+                   query_pre_attn_scalar=scalar,
                    final_logit_softcapping=m.final_logit_softcap or None,
                    sliding_window=m.sliding_window or None, sliding_window_pattern=every,
                    rope_local_base_freq=m.rope_local_theta or m.rope_theta,

