@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import sys
 from typing import Any, Optional
 
 from async_rl.config import ConfigError
@@ -32,6 +33,8 @@ def _transport(server: str):
     argv = shlex.split(server)
     if not argv:
         raise ConfigError("rollout.mcp_server: empty (an http:// URL or a command)")
+    if argv[0] == "python":  # the trainer's own interpreter: a server shipped with the package runs in its venv
+        argv[0] = sys.executable
     return StdioTransport(argv[0], argv[1:])
 
 
