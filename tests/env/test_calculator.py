@@ -55,3 +55,22 @@ def test_the_server_answers_over_stdio_and_logs_each_call(tmp_path):
     logged = [json.loads(x) for x in log.read_text().splitlines()]
     assert [(x["expression"], x["result"], x["idempotency_key"]) for x in logged] == [
         ("23 * 47", "1081", "r/3/0/1/0#0"), ("1 / 0", "error: division by zero", "r/3/0/1/0#1")]
+
+
+def test_an_env_used_from_a_new_event_loop_connects_anew(tmp_path):
+    # each evaluation runs its steps on a runner of its own: a connection made on an earlier
+    # loop (now closed) must not be used, or the step would never return
+    pytest.importorskip("fastmcp", reason="the tools extra (fastmcp) is not installed")
+    from async_rl.env.interface import StepKey
+    from async_rl.env.mcp import MCPEnv
+
+    env = MCPEnv("python -m async_rl.env.calculator", max_turns=3)
+    reply = '<tool_call>{"name": "calculate", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]
+
+    async def one(turn):
+        return await asyncio.wait_for(env.step(StepKey("r", 1, 0, 0, turn), messages, {}), 60)
+
+    assert asyncio.run(one(0))["observation"] == "42"
+    assert asyncio.run(one(1))["observation"] == "42"
+    asyncio.run(env.aclose())
