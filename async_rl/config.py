@@ -116,9 +116,13 @@ class TokenizerConfig:
     template: str = "{prompt}"  # prompt template; {prompt} is replaced by the record's prompt
     chat: bool = False  # wrap the prompt with the tokenizer's chat template
     reply_prefix: str = ""  # text the reply starts with, put at the end of the prompt (after the chat format)
+    system: str = ""  # tokenizer.chat: a system message before every prompt (tools, a worked call); "" = none
+    first_reply_prefix: str = ""  # an episode's first reply starts with this instead of reply_prefix (a forced tool call's opening)
 
     def __post_init__(self):
         _one_of("tokenizer.kind", self.kind, ("auto", "hf", "byte", "char"))
+        _check(self.chat or not self.system, "tokenizer.system", self.system[:40],
+               "needs tokenizer.chat=true (a system message is a chat turn)")
         _check("{prompt}" in self.template, "tokenizer.template", self.template,
                "must contain {prompt}")
 

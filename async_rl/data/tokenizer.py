@@ -144,11 +144,15 @@ def _token_text(value: Any) -> Optional[str]:
 class HFTokenizer:
     """A Hugging Face fast tokenizer loaded from `DIR/tokenizer.json`."""
 
-    def __init__(self, path: str, template: str = "{prompt}", chat: bool = False, reply_prefix: str = ""):
+    def __init__(self, path: str, template: str = "{prompt}", chat: bool = False, reply_prefix: str = "",
+                 system: str = "", first_reply_prefix: str = ""):
         from tokenizers import Tokenizer as _HFTok
 
         self.path = Path(path).expanduser()
-        self.template, self.reply_prefix = template, reply_prefix
+        self.template, self.reply_prefix, self.system = template, reply_prefix, system
+        # the first reply's opening: a job can force a tool call (a `tool_choice` of "required")
+        # and let later turns, which read the tool's result, start free
+        self.first_reply_prefix = first_reply_prefix or reply_prefix
         tj = self.path / "tokenizer.json"
         if not tj.is_file():
             raise ConfigError(f"tokenizer.path={path!r}: no tokenizer.json in that directory")
@@ -253,11 +257,22 @@ class HFTokenizer:
         """The text a prompt is encoded from: template applied, then the chat format, then
         the reply prefix (so the reply continues it)."""
         text = _render(self.template, prompt)
-        if self._chat_template is not None:
+        if self._chat_template is not None and self.system:
+            text = self._chat_template.messages([{"role": "system", "content": self.system},
+                                                 {"role": "user", "content": text}], True)
+        elif self._chat_template is not None:
             text = self._chat_template(text)
         else:
-            text = self._chat_prefix + text + self._chat_suffix
-        return text + self.reply_prefix
+            text = self._system_turn() + self._chat_prefix + text + self._chat_suffix
+        return text + self.first_reply_prefix
+
+    def _system_turn(self) -> str:
+        # the built-in wrapping's system turn, written as ChatML / Llama-3 write one
+        if not self.system:
+            return ""
+        if self._chat_prefix.startswith("<|im_start|>"):
+            return f"<|im_start|>system\n{self.system}<|im_end|>\n"
+        return f"<|start_header_id|>system<|end_header_id|>\n\n{self.system}<|eot_id|>"
 
     def render_observation(self, text: str, role: str = "tool", closed: bool = True) -> list[int]:
         """The tokens that follow an assistant reply in a multi-turn episode: the end of the
@@ -310,9 +325,10 @@ def build_tokenizer(cfg: TokenizerConfig, *, synthetic: bool = False):
     if kind == "hf":
         if not cfg.path:
             raise ConfigError("tokenizer.kind=hf: needs tokenizer.path (a directory with tokenizer.json)")
-        return HFTokenizer(cfg.path, cfg.template, cfg.chat, cfg.reply_prefix)
+        return HFTokenizer(cfg.path, cfg.template, cfg.chat, cfg.reply_prefix, cfg.system,
+                           cfg.first_reply_prefix)
     if cfg.chat:
         raise ConfigError(f"tokenizer.chat=true: the built-in {kind} tokenizer has no chat "
                           "template; set tokenizer.path to a tokenizer that has one")
-    template = cfg.template + cfg.reply_prefix
+    template = cfg.template + (cfg.first_reply_prefix or cfg.reply_prefix)
     return CharTokenizer(template) if kind == "char" else ByteTokenizer(template)

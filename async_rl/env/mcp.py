@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import sys
 from typing import Any, Optional
 
 from async_rl.config import ConfigError
@@ -32,6 +33,8 @@ def _transport(server: str):
     argv = shlex.split(server)
     if not argv:
         raise ConfigError("rollout.mcp_server: empty (an http:// URL or a command)")
+    if argv[0] == "python":  # the trainer's own interpreter: a server shipped with the package runs in its venv
+        argv[0] = sys.executable
     return StdioTransport(argv[0], argv[1:])
 
 
@@ -56,13 +59,23 @@ class MCPEnv:
         except ImportError:
             raise ConfigError("rollout.env=mcp needs fastmcp: pip install 'async_rl[tools]'") from None
         self.server, self.max_turns = server, max_turns
-        self._client = fastmcp.Client(_transport(server.strip()), timeout=call_timeout_s)
+        self._new_client = lambda: fastmcp.Client(_transport(server.strip()), timeout=call_timeout_s)
+        self._client = self._new_client()
         self._connected: Optional[asyncio.Future] = None  # resolves to the tool names once connected
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the event loop the connection lives on
         self.tools: list[dict] = []  # the server's tools (OpenAI function format), once connected
 
     async def _connect(self) -> set[str]:
         # the first step connects; the steps running beside it wait for the same connection,
         # and take over connecting if the step that was connecting is cancelled (its timeout)
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None:
+                # a new runner's loop (each evaluation runs its own): the old connection's streams
+                # belong to a loop that has ended, so calls on it would never return; connect anew
+                # (an abandoned stdio child ends when its stdin closes, at the latest with this process)
+                self._client, self._connected = self._new_client(), None
+            self._loop = loop
         while True:
             if self._connected is None:
                 return await self._open()
@@ -119,4 +132,5 @@ class MCPEnv:
     async def aclose(self) -> None:
         if self._connected is not None:
             self._connected = None
-            await self._client.close()
+            if self._loop is asyncio.get_running_loop():  # a connection on an ended loop cannot be closed from here
+                await self._client.close()

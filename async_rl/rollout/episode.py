@@ -64,12 +64,16 @@ class Episodes:
     def messages(self, g: Group, s: Sample) -> list[dict]:
         """The episode so far as chat messages, ending with the assistant reply just finished."""
         out, pos = [{"role": "user", "content": g.prompt}], 0
-        for t in s.turns:
-            out.append({"role": "assistant", "content": completion_text(self.tok, s.tokens[pos:t["at"]])})
+        # a reply's text begins with the prefix its prompt ended with (a forced call's opening)
+        prefix = [getattr(self.tok, "first_reply_prefix", ""), getattr(self.tok, "reply_prefix", "")]
+        for i, t in enumerate(s.turns):
+            out.append({"role": "assistant",
+                        "content": prefix[min(i, 1)] + completion_text(self.tok, s.tokens[pos:t["at"]])})
             if t["n"]:
                 out.append({"role": t["role"], "content": t["observation"]})
             pos = t["at"] + t["n"]
-        out.append({"role": "assistant", "content": completion_text(self.tok, s.tokens[pos:])})
+        out.append({"role": "assistant",
+                    "content": prefix[min(len(s.turns), 1)] + completion_text(self.tok, s.tokens[pos:])})
         return out
 
     def observation_tokens(self, text: str, role: str, key: StepKey, closed: bool = True) -> list[int]:

@@ -308,3 +308,22 @@ def test_bounded_rendering_costs_little(tmp_path):
                                                  add_generation_prompt=True)) for _ in range(3))
     bounded = min(timed(tok._chat_template) for _ in range(3))
     assert bounded < 3 * unbounded + 0.05, (bounded, unbounded)
+
+
+def test_a_system_message_and_a_first_reply_prefix(tmp_path):
+    pytest.importorskip("jinja2")
+    d = make_hf_dir(tmp_path, CHATML, {"tokenizer_config.json": {"eos_token": "<|im_end|>",
+                                                                 "chat_template": SYSTEM_CHATML}})
+    tok = build_tokenizer(TokenizerConfig(path=str(d), chat=True, system="Tools: calc.", first_reply_prefix="<call>",
+                                          reply_prefix="A:"))
+    # the job's system turn replaces the template's default one; the first reply opens with its prefix
+    assert tok.chat_text("2+2?") == ("<|im_start|>system\nTools: calc.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+                                     "<|im_start|>assistant\n<call>")
+    # later turns (after an observation) open with reply_prefix
+    assert tok.decode(tok.render_observation("4")) == "\ntool\n4\nassistant\nA:"
+    # the built-in ChatML wrapping writes the system turn the same way
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    plain = HFTokenizer(str(d), chat=True, system="Tools: calc.")
+    assert plain.chat_text("x") == "<|im_start|>system\nTools: calc.<|im_end|>\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ConfigError, match="tokenizer.system"):
+        TokenizerConfig(system="hi")

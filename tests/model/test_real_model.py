@@ -265,6 +265,37 @@ def test_export_round_trip_gives_identical_logits(resumed_run, tmp_path):
     assert not np.array_equal(a, logits(graphdef, pretrained, tokens))
 
 
+# --- the calculator job: real tool calls over MCP -------------------------------------------
+
+@pytest.mark.soak
+def test_the_calculator_job_calls_its_mcp_server_and_trains_each_prompt_once(smollm2, tmp_path, xla_cache):
+    from helpers import lineage
+
+    from async_rl.state.audit import audit
+    run, calls = tmp_path / "calc", tmp_path / "calls.jsonl"
+    argv = [sys.executable, "-m", "async_rl", "train", "--config", "configs/smollm2-calculator.yaml",
+            f"run.dir={run}", f"run.compilation_cache={xla_cache}", "log.progress=false", "log.tensorboard=false",
+            "log.rollouts=true", f"rollout.mcp_server=python -m async_rl.env.calculator --log {calls}",
+            "rollout.prompts_per_step=2", "train.max_steps=2", "eval.every_steps=2", "eval.num_records=4",
+            "engine.max_concurrent_decodes=8"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    logged = [json.loads(x) for x in calls.read_text().splitlines()]
+    assert logged and all(x["idempotency_key"] for x in logged)  # the policy's calls reached the server
+    rows = lineage(run)
+    ids = [x["prompt_id"] for x in rows]
+    assert len(ids) == len(set(ids)) == 2 * 2
+    rep = audit(run)
+    # every first reply opens a call: one env step per episode at least, all recorded, none asked twice
+    assert rep["ok"] and rep["env_steps"]["recorded"] >= 2 * 2 * 4 and rep["env_steps"]["requested_again"] == 0, rep
+    # the observations trained on hold the server's answers: call i's result is line i
+    turns = {t["key"]: t["observation"] for line in (run / "rollouts.jsonl").read_text().splitlines()
+             for s in json.loads(line)["samples"] for t in s["turns"]}
+    answered = [(x, *x["idempotency_key"].split("#")) for x in logged]
+    trained = [(x, turns[key].splitlines()[int(i)]) for x, key, i in answered if key in turns]
+    assert trained and all(x["result"] == line for x, line in trained)
+
+
 # --- parity with transformers (make parity) ----------------------------------------------
 
 parity = pytest.mark.skipif(not os.environ.get("ASYNC_RL_PARITY"), reason="run by `make parity`")

@@ -129,3 +129,18 @@ def test_journal_records_an_episodes_progress(tmp_path):
 def test_step_keys_parse_back():
     k = StepKey("a/b", 1, 2, 3, 4)
     assert StepKey.parse(str(k)) == k
+
+
+def test_the_messages_begin_each_reply_with_the_prefix_its_prompt_ended_with():
+    class Prefixed(CharTokenizer):
+        first_reply_prefix, reply_prefix = "*", "="
+
+    led = Ledger(1)
+    g = _group(led)
+    ep = Episodes(run="r1", tokenizer=Prefixed(), max_turns=3, max_new_tokens=20)
+    s = g.samples[0]
+    _reply(s, "1")
+    assert ep.messages(g, s)[-1] == {"role": "assistant", "content": "*1"}
+    ep.apply(s, ep.key(g, 0, s), StepResult("42", False, {}))
+    _reply(s, "42")
+    assert [m["content"] for m in ep.messages(g, s)] == ["123=", "*1", "42", "=42"]
