@@ -40,13 +40,11 @@ def load_callable(what: str, spec: str):
     import importlib
     mod_name, _, attr = spec.partition(":")
     try:
-        mod = importlib.import_module(mod_name)
+        fn = importlib.import_module(mod_name)
     except ImportError as e:
         raise ConfigError(f"{what}: cannot import module {mod_name!r} ({' '.join(str(e).split())})") from None
-    fn = mod
     for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
+        if (fn := getattr(fn, part, None)) is None:
             raise ConfigError(f"{what}: module {mod_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ConfigError(f"{what}: {attr!r} in {mod_name!r} is not callable")
@@ -123,8 +121,7 @@ class TokenizerConfig:
         _one_of("tokenizer.kind", self.kind, ("auto", "hf", "byte", "char"))
         _check(self.chat or not self.system, "tokenizer.system", self.system[:40],
                "needs tokenizer.chat=true (a system message is a chat turn)")
-        _check("{prompt}" in self.template, "tokenizer.template", self.template,
-               "must contain {prompt}")
+        _check("{prompt}" in self.template, "tokenizer.template", self.template, "must contain {prompt}")
 
 
 # Architecture fields without a default: model.hf_path's config.json or the YAML must give them.
@@ -269,8 +266,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
-        _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt,
-               "must be > 0")
+        _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt, "must be > 0")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
         _check(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
         _check(self.env_max_turns > 0, "rollout.env_max_turns", self.env_max_turns, "must be > 0")
@@ -298,8 +294,7 @@ class SamplerConfig:
                self.max_buffered_groups, "must be >= 0")
 
 
-# The groups `learner.lora_targets` may name, and the projections in them (model/lora.py uses them).
-LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}  # learner.lora_targets' groups
 
 
 @dataclass(frozen=True)
@@ -479,13 +474,11 @@ class Config:
                    "needs engine.backend=builtin (vLLM is not bit-identical across kills)")
             _check(bool(self.model.hf_path), "model.hf_path", self.model.hf_path,
                    "required for engine.backend=vllm (vLLM loads the Hugging Face directory)")
-            _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor,
-                   "engine.backend=vllm runs on one device here")
+            _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor, "engine.backend=vllm runs on one device here")
             _check(not self.learner.lora_rank, "learner.lora_rank", self.learner.lora_rank,
                    "needs engine.backend=builtin (the vLLM backend here loads full weights only)")
         if self.rollout.env:
-            _check(not self.run.determinism, "run.determinism", True,
-                   "not with rollout.env (env steps finish in any order)")
+            _check(not self.run.determinism, "run.determinism", True, "not with rollout.env (env steps finish in any order)")
         if s.name == "in_order":
             _check(s.max_staleness is None, "sampler.max_staleness", s.max_staleness,
                    "applies to fifo/windowed; in_order bounds staleness with sampler.max_lookahead")
