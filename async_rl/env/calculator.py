@@ -18,6 +18,8 @@ import threading
 from fractions import Fraction
 from typing import Optional
 
+from async_rl.errors import UsageError
+
 MAX_CHARS = 200  # characters of one expression
 MAX_DIGITS = 60  # digits of any intermediate value (numerator or denominator)
 MAX_EXPONENT = 64  # |b| in a ** b
@@ -27,8 +29,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
-class CalcError(ValueError):
-    """An expression the calculator refuses; the message is one line the policy can read."""
+class CalcError(UsageError):
+    """An expression the calculator refuses (bad input from the policy): one line it reads as the tool's result."""
 
 
 def _size_ok(x: Fraction) -> Fraction:
