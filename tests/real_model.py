@@ -109,7 +109,8 @@ _NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, names: dict = _NAMES) -> str:
+    """A GGUF tensor's HF name; `names` maps the per-layer parts (Gemma 3 has more norms)."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -117,7 +118,7 @@ def hf_name(name: str) -> str:
     if name == "output.weight":
         return "lm_head.weight"
     _, layer, part, kind = name.split(".")
-    return f"model.layers.{layer}.{_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def dequantize(t) -> np.ndarray:

@@ -373,24 +373,16 @@ def _check_config(meta: dict, cfg: C.Config, where: Path) -> list:
                             "(nothing was changed)")
     saved = meta.get("config") or {}
     changes = compat.changes(saved, cfg)
-    stream = [c for c in changes if c.kind == "stream"]
-    if stream:
-        c = stream[0]
-        raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
-                            f"{c.key}={c.saved!r}; changing it would change which prompts the saved iterator and "
-                            "ledger mean. Revert it or use a new run.dir (nothing was changed)")
-    lora = [c for c in changes if c.kind == "lora"]
-    if lora:
-        c = lora[0]
-        raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
-                            f"{c.key}={c.saved!r}; its adapters (and their optimizer state) exist only in that "
-                            "form. Revert it or use a new run.dir (nothing was changed)")
-    lowered = [c for c in changes if c.kind == "lowered"]
-    if lowered:
-        c = lowered[0]
-        raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
-                            f"{c.key}={c.saved!r}; {compat.NO_LOWER_FIELDS[c.key]}. Keep it >= {c.saved!r} or use a "
-                            "new run.dir (nothing was changed)")
+    # the first change of a kind a saved step cannot take: why, and what to do instead
+    refused = {"stream": lambda c: "changing it would change which prompts the saved iterator and ledger mean. "
+                                   "Revert it",
+               "lora": lambda c: "its adapters (and their optimizer state) exist only in that form. Revert it",
+               "lowered": lambda c: f"{compat.NO_LOWER_FIELDS[c.key]}. Keep it >= {c.saved!r}"}
+    for kind, why in refused.items():
+        c = next((c for c in changes if c.kind == kind), None)
+        if c is not None:
+            raise C.ConfigError(f"{c.key}={c.now!r}: the checkpoint in {where.parent} (step {step}) was written with "
+                                f"{c.key}={c.saved!r}; {why(c)} or use a new run.dir (nothing was changed)")
     return changes
 
 
