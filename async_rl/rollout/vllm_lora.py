@@ -95,6 +95,8 @@ class Adapters:
 
     def acquire(self) -> Loaded:
         """The newest adapters, for a request starting now (paired with one `release`)."""
+        if self.newest is None:
+            raise RuntimeError("vllm: a request started before any LoRA adapters were loaded (swap first)")
         self.newest.users += 1
         return self.newest
 

@@ -301,7 +301,12 @@ class Session:
         reported as a warning so it does not hide the one that stopped the run."""
         self.pump.stop()
         if not self.pump.alive and hasattr(self.pump.rollout, "close"):  # vLLM: its LoRA adapters' folder goes
-            self.pump.rollout.close()
+            try:
+                self.pump.rollout.close()
+            except Exception as e:  # failing: the error that stopped the run is the one to report
+                if not failing:
+                    raise
+                self.log(f"warning: closing the rollout backend: {e}")
         if self.journal is not None:
             self.journal.close()
             if self.journal.usage.samples or self.journal.usage.unused:
