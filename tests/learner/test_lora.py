@@ -28,9 +28,22 @@ def test_lora_targets_name_groups_or_single_projections():
     assert lora.projections(C.LearnerConfig(lora_rank=2)) == ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def test_lora_with_the_vllm_backend_is_refused():
-    with pytest.raises(C.ConfigError, match="learner.lora_rank=4: needs engine.backend=builtin"):
-        C.load("configs/tiny.yaml", ["learner.lora_rank=4", "engine.backend=vllm", "model.hf_path=/x"])
+def test_lora_with_the_vllm_backend_up_to_vllms_largest_rank():
+    vllm = ["engine.backend=vllm", "model.hf_path=/x", "model.learned_positions=0"]
+    assert C.load("configs/tiny.yaml", ["learner.lora_rank=512", *vllm]).learner.lora_rank == 512
+    with pytest.raises(C.ConfigError) as e:
+        C.load("configs/tiny.yaml", ["learner.lora_rank=1024", *vllm])
+    assert str(e.value) == ("learner.lora_rank=1024: must be <= 512 with engine.backend=vllm "
+                            "(vLLM's largest max_lora_rank)")
+    assert C.load("configs/tiny.yaml", ["learner.lora_rank=1024"]).learner.lora_rank == 1024  # built-in: any
+
+
+def test_vllm_gets_the_smallest_max_lora_rank_that_holds_the_adapters():
+    from async_rl.rollout import vllm_lora
+    assert [vllm_lora.max_lora_rank(r) for r in (1, 2, 8, 9, 16, 300, 512)] == [1, 8, 8, 16, 16, 320, 512]
+    args = vllm_lora.engine_args(4, slots=64, max_new_tokens=100, steps_per_call=8)
+    assert args == dict(enable_lora=True, max_lora_rank=8, max_loras=15, max_cpu_loras=16)
+    assert vllm_lora.engine_args(4, slots=3, max_new_tokens=100, steps_per_call=8)["max_loras"] == 3
 
 
 @pytest.mark.parametrize("key, saved, now", [

@@ -2,13 +2,14 @@
 learner's, weights loaded in place, exact per-token versions, continuations of saved
 samples; and behaviour logprobs on random Qwen3 and Gemma 3 checkpoints. One vLLM engine for
 most of the module (its start-up dominates); skipped without vLLM."""
+import functools
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from test_hf import CONFIGS, load, our_logits, random_weights, write_checkpoint
+from test_hf import CONFIGS, load, random_weights, write_checkpoint
 
 from async_rl import config as C
 from async_rl.model import hf
@@ -87,10 +88,23 @@ def run(r, starts, swap_after=None, new=None):
 
 
 def scaled_logits(graphdef, params, context, tokens):
-    """logits / T over the tokenizer's ids where each of `tokens` was drawn (teacher forcing)."""
-    seq = np.concatenate([context, np.asarray(tokens, np.int32)])[None]
-    logits = our_logits(graphdef, params, seq, np.arange(seq.shape[1])[None].astype(np.int32))[0].astype(np.float64)
-    return logits[len(context) - 1:-1, :NT] / T
+    """logits / T over the tokenizer's ids where each of `tokens` was drawn (teacher forcing).
+    The sequence is padded at the end to one width (a causal model's earlier logits ignore
+    it), so every call shares one compiled program."""
+    seq = np.concatenate([context, np.asarray(tokens, np.int32)])
+    n = len(seq)
+    seq = np.pad(seq, (0, max(0, P + N - n)))[None]
+    logits = np.asarray(forward(graphdef)(params, seq, np.arange(seq.shape[1])[None].astype(np.int32),
+                                          np.ones(seq.shape, bool)))[0].astype(np.float64)
+    return logits[len(context) - 1:n - 1, :NT] / T
+
+
+@functools.cache
+def forward(graphdef):
+    """The model's logits as one jitted function of (params, tokens, positions, valid) per graph."""
+    import jax
+    from flax import nnx
+    return jax.jit(lambda params, *a: nnx.merge(graphdef, params)(*a))
 
 
 def learner_logprobs(graphdef, params, context, tokens):
@@ -219,6 +233,100 @@ def test_an_eval_view_runs_beside_training_samples_on_the_same_engine(setup):
         assert np.abs(np.asarray(lp) - learner_logprobs(graphdef, params, ps[s], tk)).max() <= 1e-4
 
 
+RANK, ALPHA = 4, 8.0  # LoRA: vLLM pads rank 4 to its max_lora_rank 8
+
+
+@pytest.fixture(scope="module")
+def lora_setup(checkpoint):
+    """A LoRA engine on the checkpoint (the base) and the learner's view of it: (rollout, graphdef
+    with adapters, plain graphdef, base params, two sets of adapted params)."""
+    import jax
+    from flax import nnx
+
+    from async_rl.model import lora
+    from async_rl.model.transformer import Transformer
+
+    path, mcfg, params, graphdef, _ = checkpoint
+    spec = lora.LoraSpec(RANK, ALPHA, lora.PROJECTIONS)
+    abstract = nnx.eval_shape(lambda: Transformer(mcfg, mcfg.vocab_size, rngs=nnx.Rngs(0), lora=spec))
+    lgraph, aparams = nnx.split(abstract, nnx.Param)
+    base = jax.tree.map(np.asarray, params)  # on the host: adapters join it uncommitted
+
+    def adapted(seed):
+        rng = np.random.default_rng(seed)
+        ad = jax.tree.map(lambda a: (0.3 * rng.normal(size=a.shape)).astype(np.float32),
+                          nnx.filter_state(aparams, nnx.LoRAParam))
+        return nnx.merge_state(base, ad)
+
+    r = rollout(path, top_k=0, top_p=1.0, enforce_eager=True, lora=spec)
+    yield r, lgraph, graphdef, base, adapted(1), adapted(2)
+    r.close()
+
+
+def take(c, out, live):
+    """Appends a chunk's tokens of the live slots to `out` ({slot: (tokens, logprobs, versions)})."""
+    for s in out:
+        for k in range(K):
+            if not live[s] or out[s][0][-1:] == [0] or len(out[s][0]) == N:
+                break
+            out[s][0].append(int(c.tokens_KxS[k, s]))
+            out[s][1].append(float(c.logprobs_KxS[k, s]))
+            out[s][2].append(int(c.versions_KxS[k, s]))
+
+
+def going(out, s):
+    return s in out and out[s][0][-1:] != [0] and len(out[s][0]) < N
+
+
+def test_lora_behaviour_logprobs_are_the_learners_with_its_adapters(lora_setup):
+    """vLLM runs the checkpoint as the base and the published adapters beside it: the behaviour
+    logprobs are the learner's with the adapters applied, not the base's."""
+    r, lgraph, graphdef, base, ad1, _ = lora_setup
+    r.swap(ad1, 1)
+    ps = prompts(2, seed=80)
+    out = run(r, [Start(slot, 80 + slot // 2, slot % 2, ps[slot // 2], (), N) for slot in range(SLOTS)])
+    gap = max(np.abs(np.asarray(lp) - learner_logprobs(lgraph, ad1, ps[s // 2], t)).max() for s, (t, lp, _) in out.items())
+    off = max(np.abs(np.asarray(lp) - learner_logprobs(graphdef, base, ps[s // 2], t)).max() for s, (t, lp, _) in out.items())
+    assert gap <= 1e-4, gap
+    assert off > 1e-2, off  # the adapters are really applied
+    assert all(v == [1] * len(t) for t, _, v in out.values())
+
+
+def test_a_lora_request_keeps_its_adapters_and_the_old_version_goes_with_its_last_request(lora_setup):
+    """A request started under version 1 runs version 1's adapters to its end and its tokens say
+    1, while one started after the swap to version 2 runs and says 2; version 1 stays loaded
+    while its request lives and goes (from vLLM and its directory) when it ends; an aborted
+    request frees its version too."""
+    r, lgraph, _, _, ad1, ad2 = lora_setup
+    r.swap(ad1, 1)
+    path1 = r.s.adapters.newest.path
+    ps = prompts(3, seed=90)
+    r.start([Start(0, 90, 0, ps[0], (), N)])
+    out = {0: ([], [], []), 1: ([], [], [])}
+    live = [True, False, False, False]
+    take(r.collect(r.step(live)), out, live)
+    assert len(out[0][0]) == K and going(out, 0)  # in flight across the swap
+    r.swap(ad2, 2)
+    assert r.loaded_versions == [1, 2] and path1.is_dir()
+    r.start([Start(1, 91, 0, ps[1], (), N)])
+    while going(out, 0) or going(out, 1):
+        live = [going(out, s) for s in range(SLOTS)]
+        take(r.collect(r.step(live)), out, live)
+        if not going(out, 0):
+            assert r.loaded_versions == [2] and not path1.exists()  # its last request ended
+    (t0, lp0, v0), (t1, lp1, v1) = out[0], out[1]
+    assert v0 == [1] * len(t0) and v1 == [2] * len(t1) and len(t0) > K
+    assert np.abs(np.asarray(lp0) - learner_logprobs(lgraph, ad1, ps[0], t0)).max() <= 1e-4
+    assert np.abs(np.asarray(lp1) - learner_logprobs(lgraph, ad2, ps[1], t1)).max() <= 1e-4
+    r.stop([0, 1])
+    r.start([Start(2, 92, 0, ps[2], (), N)])
+    r.collect(r.step([False, False, True, False]))
+    r.swap(ad1, 3)
+    assert r.loaded_versions == [2, 3]
+    r.stop([2])  # aborted: version 2 has no request left
+    assert r.loaded_versions == [3]
+
+
 TOP_K, TOP_P = 5, 0.8
 
 
@@ -272,6 +380,45 @@ def test_behaviour_logprobs_match_the_learner_for_qwen3_and_gemma3(tmp_path, che
           f"{sum(len(t) for t, _, _ in out.values())} tokens")
     assert gap <= 1e-4, gap
     assert sum(len(t) for t, _, _ in out.values()) >= SLOTS * 2
+
+
+def test_a_lora_run_on_vllm_sends_vllm_its_adapters(tmp_path, capsys, monkeypatch, checkpoint):
+    """A short LoRA run with engine.backend=vllm: vLLM starts on the checkpoint (the learner's
+    base) and each published version crosses as adapters; the last loaded is the final step's,
+    equal to the saved adapters, the audit passes and no adapter folder is left behind."""
+    from flax import nnx
+    from test_vllm_crash import vllm_run_overrides
+
+    from async_rl.model import lora
+    from async_rl.rollout.vllm_backend import VLLMRollout
+    from async_rl.run import cli
+    from async_rl.state.audit import audit
+    from async_rl.state.saved_run import open_run, read_lora
+
+    loaded, folders = [], set()
+    swap = VLLMRollout.swap
+
+    def recording(self, params, version):
+        swap(self, params, version)
+        loaded.append((version, lora.host_tree(nnx.filter_state(params, nnx.LoRAParam))))
+        folders.add(self.s.adapters.root)
+    monkeypatch.setattr(VLLMRollout, "swap", recording)
+    args = [*vllm_run_overrides(tmp_path), "learner.lora_rank=4", "learner.lora_alpha=8", "learner.lr=3e-3",
+            "learner.warmup_steps=0"]
+    rc = cli.main(["train", "--config", "configs/tiny.yaml", *args, f"run.dir={tmp_path / 'run'}",
+                   "train.max_steps=3", "eval.every_steps=3", "log.progress=false", "log.tensorboard=false",
+                   "log.plot=false"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    rep = audit(tmp_path / "run")
+    assert rep["ok"], rep
+    assert [v for v, _ in loaded][0] == 0 and loaded[-1][0] == 3
+    _, saved, _ = read_lora(open_run(tmp_path / "run"), 3)
+    final = lora.host_tree(saved)
+    assert final.keys() == loaded[-1][1].keys() and np.abs(final["layers.attn.q.lora_b"]).max() > 0  # trained
+    for k, v in final.items():
+        np.testing.assert_allclose(loaded[-1][1][k], v, atol=1e-6, rtol=0)
+    assert len(folders) == 1 and not folders.pop().exists()  # the backend's PEFT folder went at close
 
 
 def test_a_run_on_vllm_evaluates_on_its_engine(tmp_path, capsys, checkpoint):  # checkpoint: skips without vLLM
