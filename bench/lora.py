@@ -1,5 +1,5 @@
 """LoRA against full weights, side by side in one process: bytes moved per publication,
-publish time, and the learner's step time.
+publish time, and the learner's step time and peak memory.
 
 Owns: building both learners and one engine on the same devices from one preset (default
 `small`), the timing and the printed table. Does not own: any LoRA logic (it drives the real
@@ -10,10 +10,14 @@ the base published once).
 Publication: per version, the bytes the learner hands the engine (its parameters' bytes in the
 learner's dtype: all weights, or the adapters) and the wall time until the engine's copy is
 ready (median of --repeats). Step: one learner step on random rows (--prompts groups of the
-preset's samples_per_prompt), median of --steps after a compile step.
+preset's samples_per_prompt), median of --steps after a compile step; its peak memory is XLA's
+compiled-memory figure (arguments + temporaries + outputs not aliased to them), as `async-rl
+plan` reports it. `--shapes CONFIG` adds the bytes per publication of another config from its
+shapes alone (no weights made: e.g. an 8B plan config).
 
     python bench/lora.py                                    # small preset, rank 16
     python bench/lora.py --config configs/tiny.yaml --rank 4 --prompts 4
+    python bench/lora.py --config configs/smollm2-arith.yaml --shapes configs/plan/llama3-8b-lora.yaml
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8, help="groups per learner step")
+    ap.add_argument("--shapes", default="", help="another config: its bytes per publication from shapes alone")
     args = ap.parse_args(argv)
 
     import jax
@@ -44,12 +49,11 @@ def main(argv=None) -> int:
     from async_rl import config as C
     from async_rl.learner.batch import Row, build_batch
     from async_rl.learner.step import Learner
-    from async_rl.model import sharding
+    from async_rl.model import hf, sharding
     from async_rl.rollout.engine import Engine
     from bench.common import print_table
-
-    base = C.load(args.config, [f"rollout.prompts_per_step={args.prompts}", "learner.warmup_steps=0",
-                                "learner.schedule=constant"])
+    base = hf.resolve(C.load(args.config, [f"rollout.prompts_per_step={args.prompts}", "learner.warmup_steps=0",
+                                           "learner.schedule=constant"]))  # a Hugging Face model's shapes
     from async_rl.data.tokenizer import build_tokenizer
     vocab = base.model.vocab_size or build_tokenizer(base.tokenizer, synthetic=base.data.char_vocab).vocab_size
     mesh = sharding.make_devices(base.mesh).learner
@@ -95,6 +99,11 @@ def main(argv=None) -> int:
         publish()  # compiles the cast
         pub_s = timed(publish, args.repeats)
         batch = rows(cfg)
+        second = learner.base_params() if learner.lora is not None else None
+        ma = learner._step.lower(state, second, sharding.global_batch(learner.mesh, learner.agreed(batch).device_dict())
+                                 ).compile().memory_analysis()
+        peak = ma.argument_size_in_bytes + ma.temp_size_in_bytes + max(
+            ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
         state, _ = learner.step(state, batch)  # compiles the step
         jax.block_until_ready(state)
         step_times = []
@@ -105,11 +114,19 @@ def main(argv=None) -> int:
             step_times.append(time.perf_counter() - t0)
         n_opt = sum(x.size for x in jax.tree.leaves(state["opt"]))
         table.append([name, f"{moved / 2**20:.2f}", f"{pub_s * 1e3:.1f}", f"{statistics.median(step_times):.3f}",
-                      f"{n_opt * 4 / 2**20:.1f}"])
+                      f"{peak / 2**20:.0f}", f"{n_opt * 4 / 2**20:.1f}"])
     print(f"{args.config}: {jax.devices()[0].platform}, {len(jax.devices())} device(s)")
-    print_table(["weights", "MiB per publication", "publish ms", "learner step s", "optimizer MiB"], table)
+    print_table(["weights", "MiB per publication", "publish ms", "learner step s", "step peak MiB",
+                 "optimizer MiB"], table)
     full_mb, lora_mb = float(table[0][1]), float(table[1][1])
     print(f"bytes per publication: LoRA / full = {lora_mb / full_mb:.2%}")
+    if args.shapes:
+        from async_rl.model import flops, lora
+        other = C.replace(C.load(args.shapes, []), learner={"lora_rank": args.rank, "lora_alpha": args.alpha})
+        full_b = flops.param_count(other.model, other.model.vocab_size) * np.dtype(other.model.param_dtype).itemsize
+        lora_b = lora.adapter_count(other, other.model.vocab_size) * 4  # adapters are trained in fp32
+        print(f"{args.shapes} (from shapes): {lora_b / 2**20:.1f} vs {full_b / 2**20:.1f} MiB per publication, "
+              f"LoRA / full = {lora_b / full_b:.2%}")
     return 0
 
 

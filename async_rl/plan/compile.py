@@ -336,10 +336,12 @@ def _chunk_cost(cfg: C.Config, learner, mesh: Mesh, rows: int, chunk: int, grad:
 def _engine(cfg: C.Config, vocab: int, devices: list, layers: int | None = None, unroll: bool | int = 1):
     from flax import nnx
 
+    from async_rl.model import lora
     from async_rl.model.transformer import Transformer
     from async_rl.rollout.engine import Engine
     mc = cfg.model if layers is None else dataclasses.replace(cfg.model, n_layers=layers)
-    abstract = nnx.eval_shape(lambda: Transformer(mc, vocab, rngs=nnx.Rngs(0)))
+    # with LoRA the engine runs the base and the adapters beside it (LoRAParam is a Param)
+    abstract = nnx.eval_shape(lambda: Transformer(mc, vocab, rngs=nnx.Rngs(0), lora=lora.spec(cfg)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     ec = cfg.engine
     eng = Engine(mc, graphdef, vocab_size=vocab, slots=ec.max_concurrent_decodes, max_prompt_len=ec.max_prompt_len,

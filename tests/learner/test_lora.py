@@ -214,3 +214,7 @@ def test_plan_compiles_a_lora_step_whose_state_is_the_adapters():
     # the compiled step's state: adapters (split over fsdp where they divide) and their moments
     assert lp.fits and lp.params_bytes <= n_adapters * 4 < fp.params_bytes
     assert lp.opt_bytes == pytest.approx(2 * lp.params_bytes, rel=0.01) and lp.opt_bytes < fp.opt_bytes / 2
+    # the engine's part runs the base with the adapters beside it
+    eng_cpu = PL.engine_part(cfg, 64, jax.devices()[:1], PL.topology("cpu:1")[1], cost=False)
+    eng_full = PL.engine_part(full, 64, jax.devices()[:1], PL.topology("cpu:1")[1], cost=False)
+    assert eng_cpu.fits and eng_cpu.params_bytes - eng_full.params_bytes == n_adapters * 4

@@ -20,16 +20,22 @@ def _rows(run_dir):
     return rows
 
 
+LORA = ["learner.lora_rank=4", "learner.lora_alpha=8", "learner.lr=3e-3"]
+
+
 @pytest.mark.soak  # CI time; CI keeps the two-process weight and failure tests
-def test_two_processes_stop_kill_resume_exactly_once(tmp_path):
-    r = run_multi(tmp_path, *BASE, "train.max_steps=3")
+@pytest.mark.parametrize("weights", ["full", "lora"])
+def test_two_processes_stop_kill_resume_exactly_once(tmp_path, weights):
+    """With LoRA too: the adapters span both processes' learner, the base is each process's own."""
+    extra = LORA if weights == "lora" else []
+    r = run_multi(tmp_path, *BASE, *extra, "train.max_steps=3")
     assert all(x.returncode == 0 for x in r), r[0].stderr[-3000:] + r[1].stderr[-3000:]
     assert (tmp_path / "lineage.p1.jsonl").exists()
     assert sorted({x["step"] for x in _rows(tmp_path)}) == [1, 2, 3]
     # SIGKILL process 0 right after step 5's lineage; process 1 is stuck in a collective and killed too
-    r = run_multi(tmp_path, *BASE, kill_at="step:5")
+    r = run_multi(tmp_path, *BASE, *extra, kill_at="step:5")
     assert r[0].returncode == -9
-    r = run_multi(tmp_path, *BASE)
+    r = run_multi(tmp_path, *BASE, *extra)
     assert all(x.returncode == 0 for x in r), r[0].stderr[-3000:] + r[1].stderr[-3000:]
     assert "resumed step 4" in r[0].stderr and "resumed step 4" in r[1].stderr
     rows = _rows(tmp_path)
