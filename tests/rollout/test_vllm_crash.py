@@ -75,11 +75,14 @@ def _schedule(seed: int) -> list[tuple]:
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("sampler", ["in_order", "fifo"])
+@pytest.mark.parametrize("sampler", ["in_order", "fifo", "in_order-lora"])
 def test_vllm_backend_survives_sigkills_exactly_once(tmp_path, vllm_run, sampler):
+    """`-lora`: LoRA adapters published to vLLM as versioned LoRA requests."""
+    sampler, _, lora = sampler.partition("-")
     knob = "sampler.max_lookahead=1" if sampler == "in_order" else "sampler.max_staleness=1"
+    extra = ["learner.lora_rank=4", "learner.lora_alpha=8", "learner.lr=3e-3"] if lora else []
     run = tmp_path / "run"
-    final = crash_and_finish(run, [*vllm_run, f"sampler.name={sampler}", knob], None,
+    final = crash_and_finish(run, [*vllm_run, f"sampler.name={sampler}", knob, *extra], None,
                              schedule=_schedule(len(sampler)), timeout=TIMEOUT)
     print(f"vllm crash {sampler}: {final['delivered']} SIGKILLs delivered")
     assert final["delivered"] >= 4 and final["reason"] == "data_exhausted"
