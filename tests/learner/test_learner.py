@@ -15,6 +15,9 @@ from async_rl.learner.step import Learner, Row, build_batch
 from async_rl.model import sharding
 
 V = 16  # the tiny preset's char vocabulary is smaller; any V works for random tokens
+# for checks of how the step splits, accumulates and counts updates (depth changes none of it):
+# one layer compiles in about half the time
+ONE_LAYER = "model.n_layers=1"
 
 
 def make(*overrides, log=None):
@@ -106,7 +109,7 @@ def test_bucketed_batch_gives_the_full_width_logprobs():
 
 def test_each_step_shape_is_logged_once():
     lines = []
-    cfg, learner = make("learner.bucket_min=4", log=lines.append)
+    cfg, learner = make(ONE_LAYER, "learner.bucket_min=4", log=lines.append)
     state = learner.init_state(learner.init_params())
     for seed, (mp, mn) in enumerate([(3, 2), (4, 3), (8, 8), (2, 1)]):
         state, _ = learner.step(state, batch_of(cfg, random_rows(cfg, seed, max_prompt=mp, max_new=mn), 4))
@@ -140,13 +143,13 @@ def assert_update_follows_moments(cfg, state, ref_state, what, eps=1e-8):
 
 @pytest.mark.slow
 def test_micro_batches_give_the_unsplit_update():
-    cfg, plain = make()
+    cfg, plain = make(ONE_LAYER)
     batch = batch_of(cfg, random_rows(cfg, seed=2))
     ref_state, ref_m = one_step(plain, batch)
     rows = dict(jax.device_put(batch.device_dict()), adv_B=jnp.ones(16))
     ref_grads = jax.jit(lambda p: plain._grads(p, None, rows)[2])(plain.init_params())
     for micro in (4,):  # 4 micro-batches accumulated
-        _, learner = make(f"learner.micro_batch_rows={micro}")
+        _, learner = make(ONE_LAYER, f"learner.micro_batch_rows={micro}")
         grads = jax.jit(lambda p: learner._grads(p, None, rows)[2])(learner.init_params())
         assert max_rel(grads, ref_grads) < 1e-5, micro
         state, m = one_step(learner, batch)
@@ -160,7 +163,7 @@ def test_micro_batches_give_the_unsplit_update():
 
 
 def test_one_epoch_one_minibatch_is_the_plain_policy_gradient_update():
-    cfg, learner = make("learner.ppo_epochs=1", "learner.minibatches=1")
+    cfg, learner = make(ONE_LAYER, "learner.ppo_epochs=1", "learner.minibatches=1")
     batch = batch_of(cfg, random_rows(cfg, seed=3))
     params0 = learner.init_params()
     state = learner.init_state(params0)
@@ -178,9 +181,9 @@ def test_one_epoch_one_minibatch_is_the_plain_policy_gradient_update():
 
     params0 = jax.device_get(params0)
     grads = jax.jit(jax.grad(loss))(params0)
-    tx = learner.tx
-    updates, want_opt = tx.update(grads, tx.init(params0), params0)
-    want = optax.apply_updates(params0, updates)
+    tx = learner.tx  # the reference update in one program (op by op, each op would compile its own)
+    updates, want_opt = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params0)
+    want = jax.jit(optax.apply_updates)(params0, updates)
     got, m = jax.device_get(learner.step(state, batch))
     # same gradient (Adam's moments are linear in it) and the same Adam step, up to the
     # float noise that m / sqrt(v) amplifies where a gradient is ~0
@@ -192,7 +195,7 @@ def test_one_epoch_one_minibatch_is_the_plain_policy_gradient_update():
 
 
 def test_several_updates_per_step_make_the_clip_act():
-    cfg, learner = make("learner.ppo_epochs=2", "learner.minibatches=2", "learner.lr=3e-2")
+    cfg, learner = make(ONE_LAYER, "learner.ppo_epochs=2", "learner.minibatches=2", "learner.lr=3e-2")
     batch = batch_of(cfg, random_rows(cfg, seed=4))
     state, m = one_step(learner, batch)
     assert m["learner/clip_frac"] > 0

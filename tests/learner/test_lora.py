@@ -125,17 +125,17 @@ def test_lora_trains_only_the_adapters_and_the_kl_reference_is_the_base():
 def test_lora_micro_batches_and_ppo_epochs_run_with_the_base_beside_the_state():
     import jax
     import numpy as np
-    from test_learner import batch_of, random_rows
+    from test_learner import ONE_LAYER, batch_of, random_rows
 
     from async_rl.model import lora
-    cfg, a = _learner()
-    _, b = _learner("learner.micro_batch_rows=4")
+    cfg, a = _learner(ONE_LAYER)
+    _, b = _learner(ONE_LAYER, "learner.micro_batch_rows=4")
     rows = batch_of(cfg, random_rows(cfg))
     sa, _ = a.step(a.init_state(a.init_params()), rows)
     sb, _ = b.step(b.init_state(b.init_params()), rows)
     ta, tb = lora.host_tree(sa["params"]), lora.host_tree(sb["params"])
     assert max(float(np.abs(ta[k] - tb[k]).max()) for k in ta) < 1e-5
-    _, c = _learner("learner.ppo_epochs=2", "learner.minibatches=2")
+    _, c = _learner(ONE_LAYER, "learner.ppo_epochs=2", "learner.minibatches=2")
     sc, mc = c.step(c.init_state(c.init_params()), rows)
     assert np.isfinite(float(jax.device_get(mc)["learner/loss"]))
 
