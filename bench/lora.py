@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     from async_rl.learner.batch import Row, build_batch
     from async_rl.learner.step import Learner
     from async_rl.model import hf, sharding
+    from async_rl.plan.compile import peak_bytes
     from async_rl.rollout.engine import Engine
     from bench.common import print_table
     base = hf.resolve(C.load(args.config, [f"rollout.prompts_per_step={args.prompts}", "learner.warmup_steps=0",
@@ -100,10 +101,8 @@ def main(argv=None) -> int:
         pub_s = timed(publish, args.repeats)
         batch = rows(cfg)
         second = learner.base_params() if learner.lora is not None else None
-        ma = learner._step.lower(state, second, sharding.global_batch(learner.mesh, learner.agreed(batch).device_dict())
-                                 ).compile().memory_analysis()
-        peak = ma.argument_size_in_bytes + ma.temp_size_in_bytes + max(
-            ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
+        peak = peak_bytes(learner._step.lower(state, second, sharding.global_batch(
+            learner.mesh, learner.agreed(batch).device_dict())).compile().memory_analysis())
         state, _ = learner.step(state, batch)  # compiles the step
         jax.block_until_ready(state)
         step_times = []

@@ -206,6 +206,12 @@ def _cost(compiled) -> tuple[float, float]:
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
 
+def peak_bytes(ma) -> int:
+    """A compiled step's peak memory per device from XLA's memory analysis: its arguments, its
+    temporaries and the outputs that do not reuse a donated argument's buffer."""
+    return ma.argument_size_in_bytes + ma.temp_size_in_bytes + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
+
+
 def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool = True) -> Part:
     """Compiles the step; on success also the two cost twins (unless `cost` is False)."""
     learner, state, ref, batch, lowered = _lower(cfg, vocab, mesh, unroll=False)
@@ -224,7 +230,7 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
     params, opt, batch_b = _shard_bytes(state["params"]), _shard_bytes(state["opt"]), _shard_bytes(batch)
     args = ma.argument_size_in_bytes
     other = max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
-    total = args + ma.temp_size_in_bytes + other
+    total = peak_bytes(ma)
     part = Part("learner", total <= chip.hbm_bytes, compile_s, params_bytes=params, opt_bytes=opt,
                 batch_bytes=batch_b, temp_bytes=ma.temp_size_in_bytes, other_bytes=other + args - params - opt
                 - batch_b - (_shard_bytes(ref) if ref is not None else 0), total_bytes=total, mesh=mesh)

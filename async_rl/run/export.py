@@ -30,9 +30,9 @@ from async_rl.store import runfiles
 class ExportError(UsageError):
     """An --out that cannot be written as asked (exit 2); nothing was changed."""
 
-# Files a tokenizer directory may hold that a server needs beside the weights.
 # A LoRA run's PEFT adapter directory, inside the export
 ADAPTER_DIR = "adapter"
+# Files a tokenizer directory may hold that a server needs beside the weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
