@@ -30,10 +30,19 @@ lint: $(STAMP)
 	$(BIN)/ruff check async_rl tests bench
 
 # Tests run in TEST_WORKERS processes (pytest-xdist); long ones start first, and a worker that
-# runs out of tests takes queued ones from the other (worksteal).
+# runs out of tests takes queued ones from the other (worksteal). The object-store tests mostly
+# wait (on leases, stall bounds, a paused or killed store): they run in a process of their own
+# beside the workers, on the CPU their waits leave free. All of them share one compilation cache.
 TEST_WORKERS ?= 2
+STORE_TESTS := tests/store/test_objstore.py tests/store/test_objstore_faults.py
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" tests
+	@export ASYNC_RL_TEST_XLA_CACHE=$$(mktemp -d /tmp/async_rl_xla_XXXXXXXX); log=$$(mktemp); \
+	$(BIN)/python -m pytest -q -p no:xdist -m "not soak" $(STORE_TESTS) >$$log 2>&1 & store=$$!; \
+	trap 'kill $$store 2>/dev/null' INT TERM; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not soak" \
+		$(addprefix --ignore=,$(STORE_TESTS)) tests; rc=$$?; \
+	wait $$store; store_rc=$$?; echo "== $(STORE_TESTS)"; cat $$log; rm -f $$log; \
+	rm -rf $$ASYNC_RL_TEST_XLA_CACHE; [ $$rc = 0 ] && [ $$store_rc = 0 ]
 
 # The optional extras `make test` also tests where they are installed (CI installs them): run.dir on
 # gs:// and s3:// (the clients, extras gcs and s3, and the servers the tests start on loopback:

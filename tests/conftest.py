@@ -28,6 +28,26 @@ def xla_cache() -> Path:
     return Path(os.environ["ASYNC_RL_TEST_XLA_CACHE"])
 
 
+@pytest.fixture(scope="module")
+def compile_cache(xla_cache):
+    """The session's cache for this module's own compilations: a module that builds the same
+    engine programs test after test (each engine its own jit) reads them back instead of
+    compiling again. Not session-wide: modules that close over large weights would write them
+    into every entry. Put back as it was afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    keys = {"jax_compilation_cache_dir": str(xla_cache), "jax_persistent_cache_min_compile_time_secs": 0,
+            "jax_persistent_cache_min_entry_size_bytes": 0}
+    old = {k: getattr(jax.config, k) for k in keys}
+    for k, v in keys.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
 def pytest_collection_modifyitems(config, items):
     """Long tests first (a stable sort keeps the rest in file order): with the suite split
     over workers (`make test`), the last test to finish is then a short one."""

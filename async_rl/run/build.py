@@ -7,6 +7,7 @@ See docs/design.md, "Start-up".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -65,12 +66,27 @@ class Start:
 
 
 
-def setup_compilation_cache(path: str) -> None:
+@contextlib.contextmanager
+def compilation_cache(path: str):
+    """run.compilation_cache for every program the run compiles (any size, any compile time);
+    afterwards the caller's own settings, so a notebook's later compilations are not written
+    there. JAX reads its cache settings once: reset_cache makes each change take effect."""
     if not path:
+        yield
         return
-    jax.config.update("jax_compilation_cache_dir", str(Path(path).expanduser()))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    ours = {"jax_compilation_cache_dir": str(Path(path).expanduser()),
+            "jax_persistent_cache_min_compile_time_secs": 0, "jax_persistent_cache_min_entry_size_bytes": 0}
+    theirs = {k: getattr(jax.config, k) for k in ours}
+    for k, v in ours.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        for k, v in theirs.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
 
 
 
@@ -93,7 +109,6 @@ def object_store_config(cfg: Config, log) -> Config:
 
 def build(cfg: Config, run_dir: Path, log) -> Parts:
     pi, pc = jax.process_index(), jax.process_count()
-    setup_compilation_cache(cfg.run.compilation_cache)
     devices = sharding.make_devices(cfg.mesh)
     pps, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     if pps % pc:

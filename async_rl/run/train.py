@@ -34,7 +34,7 @@ from async_rl.data import chat_template
 from async_rl.learner.step import Row, build_batch
 from async_rl.model import hf, sharding
 from async_rl.obs.metrics import host_metrics, read_jsonl
-from async_rl.run.build import build, choose_start, object_store_config, store_failed, take
+from async_rl.run.build import build, choose_start, compilation_cache, object_store_config, store_failed, take
 from async_rl.run.report import RunResult, report
 from async_rl.run.session import Session
 from async_rl.store import remote_io, rundir, runfiles, storage
@@ -51,7 +51,8 @@ def train(cfg: Config, log=None) -> RunResult:
         log = _prefixed(log, f"[process {jax.process_index()}/{jax.process_count()}] ")
     signals = sig.install(log)
     try:
-        return _train(cfg, log, signals)
+        with compilation_cache(cfg.run.compilation_cache):
+            return _train(cfg, log, signals)
     finally:
         sig.release(signals)
 

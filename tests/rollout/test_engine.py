@@ -18,6 +18,8 @@ V, P, N, EOS = 40, 8, 8, 2
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qkv_bias=True,
                   tie_embeddings=False)
 
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 
 @pytest.fixture(scope="module")
 def model():

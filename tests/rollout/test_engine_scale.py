@@ -21,6 +21,8 @@ from async_rl.rollout.engine import Engine
 V, P, N, EOS = 40, 8, 8, 2
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=64, qkv_bias=True, tie_embeddings=False)
 
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 
 def make_engine(cfg, graphdef, *, slots=4, temperature=0.0, devices=None, **kw):
     return Engine(cfg, graphdef, vocab_size=V, slots=slots, max_prompt_len=P, max_new_tokens=N,

@@ -163,19 +163,23 @@ def test_the_sigterm_handler_after_joining_a_job_is_ours(tmp_path):
     assert r.returncode == 0 and "received SIGTERM" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
+# Gloo's threads print to stdout as they connect, in pieces: each line here is one write(2), so
+# a line of ours arrives whole (pipe writes under PIPE_BUF are atomic) wherever theirs fall
 AGREE = r"""
+import os
 import jax
 from async_rl.model import sharding
+say = lambda *a: os.write(1, (" ".join(map(str, a)) + "\n").encode())
 sharding.init_distributed()
 err = RuntimeError("reward function failed on prompt_id=7: boom\nsecond line") if jax.process_index() == 1 else None
-print("agreed", sharding.agree_or_fail([jax.process_index()], None).ravel().tolist(), flush=True)
+say("agreed", sharding.agree_or_fail([jax.process_index()], None).ravel().tolist())
 try:
     sharding.agree_or_fail([2.5], err)
-    print("went on")
+    say("went on")
 except sharding.PeerFailedError as e:
-    print("peer failed:", e)
+    say("peer failed:", e)
 except RuntimeError as e:
-    print("own error:", e)
+    say("own error:", e)
 """
 
 

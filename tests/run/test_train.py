@@ -87,3 +87,23 @@ def test_a_model_too_large_for_memory_is_refused_at_start(tmp_path):
     assert not (tmp_path / "lineage.jsonl").exists()
     small = cfg(tmp_path, "model.d_model=64", "model.n_layers=2", "model.d_ff=256")
     assert flops.param_count(small.model, 16) < 200_000 and sum(memory.estimate(small, 16).values()) < 2**24
+
+
+def test_the_compilation_cache_holds_the_runs_programs_and_then_the_callers_settings_return(tmp_path):
+    """run.compilation_cache takes every program the run compiles, even after the caller has
+    compiled (JAX settles its cache settings at the first compile); once the run ends the
+    caller's settings are back and its later compilations are not written there."""
+    import jax
+    import jax.numpy as jnp
+
+    from async_rl.run.build import compilation_cache
+    before = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                                    "jax_persistent_cache_min_compile_time_secs")}
+    jax.jit(lambda x: x + 11)(jnp.ones(3))  # the caller compiles first
+    with compilation_cache(str(tmp_path / "cache")):
+        jax.jit(lambda x: x * 13 - 1)(jnp.ones(5))
+    written = set((tmp_path / "cache").iterdir())
+    assert written
+    jax.jit(lambda x: x * 17 - 2)(jnp.ones(6))
+    assert set((tmp_path / "cache").iterdir()) == written
+    assert {k: getattr(jax.config, k) for k in before} == before
