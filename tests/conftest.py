@@ -33,19 +33,10 @@ def compile_cache(xla_cache):
     """The session's cache for this module's own compilations: a module that builds the same
     engine programs test after test (each engine its own jit) reads them back instead of
     compiling again. Not session-wide: modules that close over large weights would write them
-    into every entry. Put back as it was afterwards."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-    keys = {"jax_compilation_cache_dir": str(xla_cache), "jax_persistent_cache_min_compile_time_secs": 0,
-            "jax_persistent_cache_min_entry_size_bytes": 0}
-    old = {k: getattr(jax.config, k) for k in keys}
-    for k, v in keys.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
+    into every entry. Put back as it was afterwards, as a run puts the caller's settings back."""
+    from async_rl.run.build import compilation_cache
+    with compilation_cache(str(xla_cache)):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):
