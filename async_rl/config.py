@@ -302,7 +302,7 @@ class LearnerConfig:
     lr: float = 1e-6  # peak learning rate (a pretrained model's scale; a policy trained from scratch wants far more)
     warmup_steps: int = 5  # linear warm-up, steps
     schedule: str = "constant"  # after warm-up: constant | cosine (to lr * end_lr_ratio)
-    decay_steps: int = 0  # cosine decay length, steps; 0 = train.max_steps
+    decay_steps: int = 0  # cosine: the step the floor is reached at, warm-up included; 0 = train.max_steps, else the data's end
     end_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     b1: float = 0.9  # Adam beta1
@@ -336,6 +336,9 @@ class LearnerConfig:
         _check(self.warmup_steps >= 0, "learner.warmup_steps", self.warmup_steps, "must be >= 0")
         _one_of("learner.schedule", self.schedule, ("constant", "cosine"))
         _check(self.decay_steps >= 0, "learner.decay_steps", self.decay_steps, "must be >= 0")
+        _check(self.schedule != "cosine" or not self.decay_steps or self.decay_steps > self.warmup_steps,
+               "learner.decay_steps", self.decay_steps, f"must be 0 or more than learner.warmup_steps "
+               f"({self.warmup_steps}): the cosine starts after the warm-up")
         _check(0 <= self.end_lr_ratio <= 1, "learner.end_lr_ratio", self.end_lr_ratio, "must be in [0, 1]")
         _check(self.weight_decay >= 0, "learner.weight_decay", self.weight_decay, "must be >= 0")
         _check(0 <= self.b1 < 1, "learner.b1", self.b1, "must be in [0, 1)")

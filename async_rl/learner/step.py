@@ -48,17 +48,25 @@ def updates_per_step(cfg: Config) -> int:
     return cfg.learner.ppo_epochs * cfg.learner.minibatches
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def lr_schedule(cfg: Config, horizon: int = 0) -> optax.Schedule:
+    """The learning rate by learner step: a linear warm-up over `learner.warmup_steps` (none at
+    0), then constant or a cosine that reaches lr * end_lr_ratio at step `learner.decay_steps`,
+    else train.max_steps, else `horizon` (where the data ends the run). Without any of them
+    (a learner built outside a run: plan, benches) the cosine holds the peak."""
     lc = cfg.learner
-    if lc.schedule == "cosine":
-        decay = lc.decay_steps or max(cfg.train.max_steps, lc.warmup_steps + 1)
-        sched = optax.warmup_cosine_decay_schedule(0.0, lc.lr, max(lc.warmup_steps, 1), decay,
-                                                   end_value=lc.lr * lc.end_lr_ratio)
-    elif lc.warmup_steps:
-        sched = optax.join_schedules([optax.linear_schedule(0.0, lc.lr, lc.warmup_steps),
-                                      optax.constant_schedule(lc.lr)], [lc.warmup_steps])
-    else:
-        sched = optax.constant_schedule(lc.lr)
+    after = optax.constant_schedule(lc.lr)
+    total = lc.decay_steps or cfg.train.max_steps or horizon
+    if lc.schedule == "cosine" and total:
+        # a run no longer than its warm-up never reaches the cosine: any positive length is valid
+        after = optax.cosine_decay_schedule(lc.lr, max(total - lc.warmup_steps, 1), alpha=lc.end_lr_ratio)
+    if not lc.warmup_steps:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lc.lr, lc.warmup_steps), after], [lc.warmup_steps])
+
+
+def make_optimizer(cfg: Config, horizon: int = 0) -> optax.GradientTransformation:
+    lc = cfg.learner
+    sched = lr_schedule(cfg, horizon)
     u = updates_per_step(cfg)
     if u > 1:  # optax counts updates; the schedule is in learner steps
         base = sched
@@ -80,11 +88,12 @@ class Learner:
     """Holds the compiled functions; the state itself is passed in and out (pure steps)."""
 
     def __init__(self, cfg: Config, vocab_size: int, mesh, shared_devices: bool = True, *,
-                 log: Callable[[str], None] = _log, unroll: bool = False, n_tokens: int = 0):
+                 log: Callable[[str], None] = _log, unroll: bool = False, n_tokens: int = 0, horizon: int = 0):
         """`unroll`: every loop in the step unrolled (layers, updates, micro-batches, logit
         chunks): slow to compile, but XLA's cost model then counts every iteration (`plan`).
         `n_tokens`: the tokenizer's vocabulary size; ids at or above it get no probability
-        (`Transformer`), here and in the engine, which shares this graphdef."""
+        (`Transformer`), here and in the engine, which shares this graphdef. `horizon`: the
+        run's length in steps where the data ends it (the cosine schedule's, `lr_schedule`)."""
         self.cfg, self.mesh, self.vocab_size = cfg, mesh, vocab_size
         self.P, self.N = cfg.engine.max_prompt_len, cfg.rollout.max_new_tokens
         self.G = cfg.rollout.samples_per_prompt
@@ -96,7 +105,7 @@ class Learner:
         self._layer_unroll = self.layer_unroll(platform, cfg.model.n_layers)
         self.gather = sharding.layer_gatherer(mesh, cfg.model.dtype)
         self._check_splits(cfg, mesh)
-        self.tx = make_optimizer(cfg)
+        self.tx = make_optimizer(cfg, horizon)
         self.lora = lora_mod.spec(cfg)
         abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens, self.lora))
         if self.lora is None:

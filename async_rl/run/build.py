@@ -30,6 +30,7 @@ from async_rl.model import sharding
 from async_rl.plan import memory
 from async_rl.rollout.engine import Engine
 from async_rl.run.evaluate import build_eval_set
+from async_rl.run.report import total_steps
 from async_rl.state import reshard
 from async_rl.state.checkpoint import Checkpointer, CheckpointError, DamagedStep, Restored
 from async_rl.store import remote_io, rundir, runfiles, storage
@@ -132,7 +133,8 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
     memory.check(cfg, vocab)  # before anything large is allocated
-    learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size)
+    learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size,
+                      horizon=total_steps(cfg, pd))
     eval_set = build_eval_set(cfg, tok) if cfg.eval.every_steps and pi == 0 else None
     engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
                     max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,

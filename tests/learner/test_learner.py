@@ -227,3 +227,25 @@ def test_bad_splits_and_choices_are_config_errors(overrides, needle):
 def test_micro_batches_must_split_over_the_batch_shards():
     with pytest.raises(C.ConfigError, match=r"learner\.micro_batch_rows=2: must be a multiple of the 4 batch"):
         make("learner.micro_batch_rows=2")
+
+
+@pytest.mark.parametrize("warmup, max_steps, horizon", [(0, 0, 0), (0, 1, 0), (0, 0, 10), (5, 0, 0), (5, 3, 0),
+                                                        (2, 10, 0), (0, 0, 1)])
+def test_the_cosine_schedule_is_valid_for_any_warmup_and_length(warmup, max_steps, horizon):
+    from async_rl.learner.step import lr_schedule
+    cfg = C.load("configs/tiny.yaml", ["learner.schedule=cosine", f"learner.warmup_steps={warmup}",
+                                       f"train.max_steps={max_steps}", "learner.lr=1e-3",
+                                       "learner.end_lr_ratio=0.1"])
+    sched = lr_schedule(cfg, horizon)
+    lrs = [float(sched(i)) for i in range(12)]
+    assert all(np.isfinite(lrs)) and max(lrs) <= 1e-3 * (1 + 1e-6)
+    # no warm-up: the first step trains at the peak rate, not at 0
+    assert lrs[0] == pytest.approx(1e-3) if warmup == 0 else lrs[0] == 0.0
+    total = max_steps or horizon
+    if total > warmup:  # the floor is reached where the run ends
+        assert lrs[total] == pytest.approx(1e-4, rel=1e-4) and lrs[total - 1] > lrs[total] * (1 - 1e-6)
+
+
+def test_a_cosine_decay_shorter_than_its_warmup_is_a_config_error():
+    with pytest.raises(C.ConfigError, match=r"learner\.decay_steps=5: must be 0 or more than learner\.warmup_steps"):
+        C.load("configs/tiny.yaml", ["learner.schedule=cosine", "learner.warmup_steps=5", "learner.decay_steps=5"])
