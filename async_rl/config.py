@@ -257,6 +257,7 @@ class RolloutConfig:
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
     reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
+    reward_max_abs: float = 1e6  # a reward (function's or env's) with a larger magnitude fails the run, reward units
     env: str = ""  # multi-turn env: "" = single turn | lookup | mcp | module:factory (docs/envs-and-tools.md)
     env_max_turns: int = 4  # built-in envs (lookup, mcp): assistant turns per episode
     env_max_concurrent: int = 16  # env steps running at once
@@ -269,6 +270,8 @@ class RolloutConfig:
         _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt, "must be > 0")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
         _check(self.reward_timeout_s > 0, "rollout.reward_timeout_s", self.reward_timeout_s, "must be > 0")
+        _check(0 < self.reward_max_abs <= 1e12, "rollout.reward_max_abs", self.reward_max_abs,
+               "must be in (0, 1e12]: rewards, their squares and sums must stay finite in float32")
         _check(self.env_max_turns > 0, "rollout.env_max_turns", self.env_max_turns, "must be > 0")
         _check(self.env_max_concurrent > 0, "rollout.env_max_concurrent", self.env_max_concurrent, "must be > 0")
         _check(self.env_timeout_s > 0, "rollout.env_timeout_s", self.env_timeout_s, "must be > 0")

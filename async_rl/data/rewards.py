@@ -186,6 +186,20 @@ def as_real(r) -> float | None:
     return float(r)
 
 
+def refused(raw, bound: float) -> str | None:
+    """Why `raw` cannot be a reward (None when it can): a reward is a real number, finite,
+    with |reward| <= `bound` (rollout.reward_max_abs). A Python float of 1e200 is finite, but
+    inf in float32 on the device: the loss would be NaN."""
+    r = as_real(raw)
+    if r is None:
+        return f"{raw!r} ({type(raw).__name__}), not a real number"
+    if not math.isfinite(r):
+        return f"{r!r}, not a finite number"
+    if abs(r) > bound:
+        return f"{r!r}, outside rollout.reward_max_abs={bound:g} (|reward| must be <= {bound:g})"
+    return None
+
+
 def _checked(name: str, fn: RewardFn) -> RewardFn:
     @functools.wraps(fn)
     def wrapper(completion: str, answer: str) -> float:

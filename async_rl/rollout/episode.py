@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from async_rl.buffer.ledger import OBSERVATION, Group, Sample
+from async_rl.data.rewards import refused
 from async_rl.data.tokenizer import completion_text
 from async_rl.env.interface import EnvError, StepKey, StepResult
 from async_rl.rollout.interface import Start
@@ -35,8 +36,10 @@ class Applied:
 class Episodes:
     """The episode rules of one run: its env's max_turns, the token budgets, the tokenizer."""
 
-    def __init__(self, *, run: str, tokenizer, max_turns: int, max_new_tokens: int, turn_max_tokens: int = 0):
+    def __init__(self, *, run: str, tokenizer, max_turns: int, max_new_tokens: int, turn_max_tokens: int = 0,
+                 reward_max_abs: float = 1e6):
         self.run, self.tok, self.max_turns = run, tokenizer, max_turns
+        self.reward_max_abs = reward_max_abs  # an env's reward beyond it fails the run before it is recorded
         self.N, self.turn_max = max_new_tokens, turn_max_tokens
         self._chat = getattr(tokenizer, "render_observation", None)  # HF tokenizers (chat format or raw)
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
@@ -90,6 +93,9 @@ class Episodes:
         tokens appended (masked) unless the episode ends here. The episode ends when the env
         says so, at max_turns assistant turns, or when no token would be left for a reply; an
         observation not fed is still recorded, with n = 0."""
+        if r.reward is not None and (why := refused(r.reward, self.reward_max_abs)) is not None:
+            raise EnvError(" ".join(f"env step returned reward {why} on {key.where()} sample {key.sample}; nothing "
+                                    "of it was recorded: fix the env, then run the same command to resume".split()))
         obs = r.observation or ""
         closed = bool(s.tokens) and s.tokens[-1] in self._stops
         ids = [] if r.done else self.observation_tokens(obs, r.role, key, closed)

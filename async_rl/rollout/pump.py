@@ -20,11 +20,10 @@ import time
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 
 from async_rl import faults, signals
 from async_rl.buffer.ledger import Group, Ledger, Sample, State
-from async_rl.data.rewards import as_real
+from async_rl.data.rewards import as_real, refused
 from async_rl.data.tokenizer import completion_text
 from async_rl.env.interface import EnvError
 from async_rl.errors import RunFailure
@@ -46,7 +45,7 @@ class Pump:
     def __init__(self, *, ledger: Ledger, sampler, engine: Rollout | object, iterator, tokenizer, reward_fn,
                  max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
                  journal=None, prefill_rows: int = 32, reward_timeout_s: float = 60.0, episodes=None, env=None,
-                 on_env_request=None):
+                 on_env_request=None, reward_max_abs: float = 1e6):
         self.ledger, self.sampler, self.engine = ledger, sampler, engine
         self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
@@ -93,6 +92,7 @@ class Pump:
         # a reward call cannot be interrupted: a watchdog fails the run when one overruns, and
         # stop() leaves such a call behind on its daemon thread instead of waiting for it
         self.reward_timeout_s = reward_timeout_s
+        self.reward_max_abs = reward_max_abs  # a reward beyond it fails the run before it is recorded
         self._in_reward: tuple[float, Group] | None = None  # (start, group) of the call running now
         self._watchdog = threading.Thread(target=self._watch_rewards, name="pump-reward-watchdog", daemon=True)
         self._stopped = threading.Event()
@@ -486,7 +486,7 @@ class Pump:
         """Rewards outside the lock (user reward code may be slow), then marks READY groups."""
         scores = []
         for g, s in finished:
-            if s.env_reward is not None:  # the env's final reward wins
+            if s.env_reward is not None:  # the env's final reward wins (checked where it entered)
                 scores.append(s.env_reward)
                 continue
             text = completion_text(self.tok, s.tokens) if self.episodes is None else self.episodes.final_reply(s)
@@ -495,15 +495,17 @@ class Pump:
                 faults.fail("reward")
                 raw = self.reward_fn(text, g.answer)
             except Exception as e:
-                raise RewardError(f"reward function failed on prompt_id={g.prompt_id} "
-                                  f"(ordinal {g.ordinal}): {type(e).__name__}: {e}") from e
+                raise RewardError(f"reward function failed on prompt_id={g.prompt_id} sample "
+                                  f"{_index(g, s)} (ordinal {g.ordinal}): {type(e).__name__}: {e}") from e
             finally:
                 self._in_reward = None
-            r = as_real(raw)
-            if r is None or not np.isfinite(r):
-                raise RewardError(f"reward function returned {raw!r} ({type(raw).__name__}) for prompt_id={g.prompt_id} "
-                                  f"(ordinal {g.ordinal}); a reward must be a finite real number")
-            scores.append(r)
+            why = refused(raw, self.reward_max_abs)
+            if why is not None:  # refused before anything records it: the last checkpoint resumes
+                raise RewardError(" ".join(
+                    f"reward function returned {why} for prompt_id={g.prompt_id} sample {_index(g, s)} (ordinal "
+                    f"{g.ordinal}); nothing of it was recorded: fix the reward function, then run the same "
+                    "command to resume".split()))
+            scores.append(as_real(raw))
         journal, t0 = self.journal, time.perf_counter()
         records = [journal.encode(g, s, r) for (g, s), r in zip(finished, scores)] if journal is not None else ()
         t_encode = time.perf_counter() - t0
@@ -531,6 +533,11 @@ class Pump:
             self._reward(todo)
 
 
+def _index(g: Group, s: Sample) -> int:
+    return next(i for i, x in enumerate(g.samples) if x is s)
+
+
 class RewardError(RunFailure):
-    pass
+    """A reward function that failed, overran or returned what cannot be a reward (exit 1:
+    the run stops; what it saved resumes once the function is fixed)."""
 

@@ -171,7 +171,8 @@ def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, 
         from async_rl.store import rundir
         env = env if env is not None else load_env(cfg.rollout.env, cfg)
         episodes = (Episodes(run=f"{rundir.run_identity(run_dir, create=not read_only)}/eval", tokenizer=tok, max_turns=env.max_turns,
-                             max_new_tokens=cfg.rollout.max_new_tokens, turn_max_tokens=cfg.rollout.turn_max_tokens),
+                             max_new_tokens=cfg.rollout.max_new_tokens, turn_max_tokens=cfg.rollout.turn_max_tokens,
+                             reward_max_abs=cfg.rollout.reward_max_abs),
                     env)
     return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices, rollout=rollout, eval_set=eval_set,
                      episodes=episodes)

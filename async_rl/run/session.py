@@ -101,7 +101,8 @@ class Session:
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,
                          prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s,
-                         episodes=episodes, env=env_runner, on_env_request=self.logs.env_requested)
+                         episodes=episodes, env=env_runner, on_env_request=self.logs.env_requested,
+                         reward_max_abs=cfg.rollout.reward_max_abs)
         self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
                                         devices=list(self.engine.mesh.devices.flat), eval_set=parts.eval_set,
                                         rollout=rollout if rollout is not self.engine else None,
@@ -138,7 +139,7 @@ class Session:
         from async_rl.rollout.episode import Episodes
         episodes = Episodes(run=rundir.run_identity(parts.run_dir), tokenizer=parts.tok,
                             max_turns=parts.env.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
-                            turn_max_tokens=cfg.rollout.turn_max_tokens)
+                            turn_max_tokens=cfg.rollout.turn_max_tokens, reward_max_abs=cfg.rollout.reward_max_abs)
 
         def wake():
             with self.ledger.changed:

@@ -203,3 +203,38 @@ def test_a_reward_that_is_not_a_real_number_stops_the_run_naming_it(tmp_path, va
         del _REGISTRY["_test_bad_value"]
     assert "prompt_id=" in str(e.value) and "returned" in str(e.value), str(e.value)
     assert (repr(eval(value)) in str(e.value)), str(e.value)
+
+
+def test_a_huge_reward_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
+    """1e200 is finite in Python and inf in float32: refused before the ledger, the journal or a
+    checkpoint holds it, so the run resumes from its last checkpoint once the reward is fixed."""
+    from helpers import cfg, checkpoint_steps, steps_of
+
+    from async_rl.data.rewards import _REGISTRY
+    from async_rl.rollout.pump import RewardError
+    from async_rl.run.train import train
+    import itertools
+    import time
+    run, calls = tmp_path / "run", itertools.count(1)
+
+    def huge(completion, answer):  # step 3's first sample, once a checkpoint is committed
+        if next(calls) <= 32:  # steps 1 and 2: 4 prompts x 4 samples each
+            return 0.5
+        end = time.monotonic() + 120
+        while not checkpoint_steps(run) and time.monotonic() < end:
+            time.sleep(0.05)
+        return 1e200
+    _REGISTRY["_test_huge"] = huge  # the journal is on (the default)
+    args = ["rollout.reward=_test_huge", "data.num_records=16", "rollout.prompts_per_step=4",
+            "checkpoint.every_steps=1"]
+    try:
+        with pytest.raises(RewardError) as e:
+            train(cfg(run, *args))
+        _REGISTRY["_test_huge"] = lambda completion, answer: 0.5
+        saved = checkpoint_steps(run)
+        res = train(cfg(run, *args))
+    finally:
+        del _REGISTRY["_test_huge"]
+    msg = str(e.value)
+    assert "\n" not in msg and "1e+200" in msg and "prompt_id=" in msg and " sample " in msg, msg
+    assert saved and res.exit_code == 0 and res.step == 4 and sorted(steps_of(run)) == [1, 2, 3, 4]

@@ -144,3 +144,18 @@ def test_the_messages_begin_each_reply_with_the_prefix_its_prompt_ended_with():
     ep.apply(s, ep.key(g, 0, s), StepResult("42", False, {}))
     _reply(s, "42")
     assert [m["content"] for m in ep.messages(g, s)] == ["123=", "*1", "42", "=42"]
+
+
+@pytest.mark.parametrize("reward", [1e200, -2e6])
+def test_an_env_reward_out_of_range_is_refused_before_it_is_recorded(reward):
+    led, ep = Ledger(2), _episodes(reward_max_abs=1e6)
+    g = _group(led)
+    s = g.samples[1]
+    _reply(s, "42")
+    before = (list(s.tokens), list(s.turns), s.env_reward)
+    with pytest.raises(EnvError) as e:
+        ep.apply(s, ep.key(g, 1, s), StepResult(None, True, {"n": 1}, reward=reward))
+    msg = str(e.value)
+    assert "\n" not in msg and "prompt_id=7" in msg and "sample 1" in msg and repr(reward) in msg, msg
+    assert "rollout.reward_max_abs=1e+06" in msg, msg
+    assert (s.tokens, s.turns, s.env_reward, s.done) == (*before, False)

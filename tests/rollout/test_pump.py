@@ -3,6 +3,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from async_rl.buffer.ledger import Ledger
 from async_rl.rollout.pump import Pump
@@ -197,3 +198,36 @@ def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
     assert pump.rollout.batches(list(range(5))) == [[0, 1], [2, 3], [4]]
     pump.rollout.deterministic = True  # there a prefill depends on its own sequence alone
     assert pump.rollout.batches(list(range(3))) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("value", [1e200, -1e7, float("nan"), float("inf")])
+def test_a_reward_out_of_range_is_refused_before_anything_records_it(value):
+    """A Python float of 1e200 is finite, but inf in float32: refused where it enters, naming
+    the prompt, the sample and the value; no reward set, no journal record."""
+    from async_rl.data.tokenizer import CharTokenizer
+    from async_rl.rollout.pump import RewardError
+
+    class Journal:
+        waits, records = {}, []
+
+        def encode(self, g, s, r):
+            return (g.ordinal, r)
+
+        def append(self, records):
+            self.records += records
+
+    tok, led = CharTokenizer(), Ledger(3)
+    calls = iter([0.5, value, 0.25])
+    pump = Pump(ledger=led, sampler=None, engine=Engine(), iterator=iter(()), tokenizer=tok,
+                reward_fn=lambda text, answer: next(calls), max_new_tokens=4, params=Weights(0), version=0,
+                partial=False, deterministic=False, journal=Journal(), reward_max_abs=1e6)
+    with led.lock:
+        g = led.add({"prompt_id": 11, "epoch": 0, "prompt": "12=", "answer": "21",
+                     "prompt_tokens": tok.encode_prompt("12=")}, None)
+    for s in g.samples:
+        s.tokens, s.done = tok.encode("21"), True
+    with pytest.raises(RewardError) as e:
+        pump._reward([(g, s) for s in g.samples])
+    msg = str(e.value)
+    assert "\n" not in msg and "prompt_id=11 sample 1" in msg and repr(value) in msg, msg
+    assert [s.reward for s in g.samples] == [None] * 3 and pump.journal.records == []
