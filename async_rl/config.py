@@ -330,6 +330,7 @@ class LearnerConfig:
     overlong: str = "none"  # truncated completions: none | filter (out of the loss, DAPO) | penalty (soft ramp)
     overlong_buffer: int = 1  # penalty: tokens before max_new_tokens where the ramp starts, tokens
     overlong_coef: float = 1.0  # penalty: reward subtracted at max_new_tokens, reward units
+    nonfinite: str = "fail"  # a step whose loss or gradient is NaN/inf (never applied): fail (stop the run) | skip (go on)
     lora_rank: int = 0  # LoRA adapter rank r: train only adapters A [d_in, r], B [r, d_out] on a frozen base; 0 = full weights
     lora_alpha: float = 16.0  # LoRA scale numerator: a projection adds (lora_alpha / lora_rank) * (x A) B
     lora_targets: str = "attention,mlp"  # projections given adapters: attention (q,k,v,o), mlp (gate,up,down), single names, comma-sep.
@@ -363,6 +364,7 @@ class LearnerConfig:
         _one_of("learner.ratio_level", self.ratio_level, ("token", "sequence"))
         _one_of("learner.advantage", self.advantage, ("grpo", "mean", "rloo"))
         _one_of("learner.overlong", self.overlong, ("none", "filter", "penalty"))
+        _one_of("learner.nonfinite", self.nonfinite, ("fail", "skip"))
         _check(self.overlong_buffer >= 1, "learner.overlong_buffer", self.overlong_buffer, "must be >= 1")
         _check(self.overlong_coef >= 0, "learner.overlong_coef", self.overlong_coef, "must be >= 0")
         _check(self.lora_rank >= 0, "learner.lora_rank", self.lora_rank, "must be >= 0 (0 = LoRA off)")

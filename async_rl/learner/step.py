@@ -1,7 +1,8 @@
 """The learner: parameter init, optimizer and the jitted GRPO/PPO train step.
 
 Owns: the train state {params, opt}, its shardings on the learner mesh, the optax
-optimizer (AdamW, warm-up + constant/cosine, grad-norm clip), and the pure
+optimizer (AdamW, warm-up + constant/cosine, grad-norm clip; an update with a non-finite
+loss or gradient is not applied, `learner/skipped_updates` counts them), and the pure
 `train_step(state, batch) -> (state, metrics)` jitted with explicit shardings and donated
 state: PPO epochs x minibatches of optimizer updates against the step's proximal
 logprobs, each update accumulating gradients over micro-batches. Does not own: which
@@ -316,8 +317,12 @@ class Learner:
         loss, stats, grads = self._grads(state["params"], ref_params, rows)
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        stats = dict(stats, loss=loss, grad_norm=optax.tree.norm(grads))
-        return {"params": params, "opt": opt}, stats
+        grad_norm = optax.tree.norm(grads)
+        # an update whose loss or gradient is not finite is never applied: the weights and the
+        # optimizer state stay as they were (learner.nonfinite decides whether the run goes on)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), {"params": params, "opt": opt}, state)
+        return new, dict(stats, loss=loss, grad_norm=grad_norm, skipped_updates=(~ok).astype(jnp.int32))
 
     def _train_step(self, state, ref_params, b):
         lc = self.cfg.learner
@@ -343,7 +348,8 @@ class Learner:
                 return self._update(state, ref_params, jax.tree.map(lambda x: x[i % m], parts))
 
             state, per_update = jax.lax.scan(one, state, jnp.arange(u), unroll=self.unroll or 1)
-            stats = {s: v.max() if s in losses.MAX_STATS else v.mean() for s, v in per_update.items()}
+            stats = {s: v.max() if s in losses.MAX_STATS else v.sum() if s == "skipped_updates" else v.mean()
+                     for s, v in per_update.items()}
         rv = b["row_valid_B"].astype(jnp.float32)
         r_mean = (b["rewards_B"] * rv).sum() / jnp.maximum(rv.sum(), 1)
         r_std = jnp.sqrt((((b["rewards_B"] - r_mean) ** 2) * rv).sum() / jnp.maximum(rv.sum(), 1))

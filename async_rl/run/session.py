@@ -23,6 +23,7 @@ from async_rl import signals as sig
 from async_rl.buffer import journal as journal_mod
 from async_rl.buffer.sampler import Hooks, make_sampler
 from async_rl.config import Config
+from async_rl.learner.step import updates_per_step
 from async_rl.model import sharding
 from async_rl.obs.metrics import MetricsSink, Rates, StepClock
 from async_rl.obs.tensorboard import cut_events
@@ -235,20 +236,33 @@ class Session:
     def flush_metrics(self) -> None:
         if self.pending is None:
             return
-        s, dev, host = self.pending
+        s, dev, host, groups = self.pending
         row = {k: float(v) for k, v in jax.device_get(dev).items()}
         bad = {k: v for k, v in row.items() if k in ("learner/loss", "learner/grad_norm") and not math.isfinite(v)}
-        if bad:
+        skipped = int(row.get("learner/skipped_updates", 0))
+        if (bad or skipped) and self.cfg.learner.nonfinite == "fail":
             # step 1's loss is computed with the starting weights, before any update
             start = "; the starting weights already give it (model.hf_path may hold NaN or inf)" if s == 1 else ""
+            what = ", ".join(f"{k}={v}" for k, v in bad.items()) or f"{skipped} non-finite updates"
             raise NonFiniteError(
-                f"step {s}: {', '.join(f'{k}={v}' for k, v in bad.items())}: training diverged{start}; stopped "
-                f"without saving it ({last_committed(self.ckpt.directory)}). Lower learner.lr or change the data, "
-                "then run the same command to resume")
+                f"step {s}: {what}: training diverged{start}; its update was not applied and the step not saved "
+                f"({last_committed(self.ckpt.directory)}). Lower learner.lr or change the data (or set "
+                "learner.nonfinite=skip to go on without such updates), then run the same command to resume")
+        if skipped:
+            self._skipped(s, skipped, bad, groups)
         row.update(host)
         self.history.append({"step": s, **row})
         self.sink.write(s, row)
         self.pending = None
+
+    def _skipped(self, s: int, skipped: int, bad: dict, groups: list) -> None:
+        """learner.nonfinite=skip: a step with updates not applied. Its groups stay consumed (in
+        the lineage, trained at `s`); drops.jsonl says their update was skipped."""
+        what = ", ".join(f"{k}={v}" for k, v in bad.items()) or "a non-finite update"
+        self.log(f"warning: step {s}: {what}: {skipped} of its {updates_per_step(self.cfg)} updates not applied "
+                 f"(learner.nonfinite=skip); its {len(groups)} groups are consumed (drops.jsonl: nonfinite)")
+        with self.ledger.lock:
+            self.logs.nonfinite(s, groups, skipped)
 
     def save(self) -> None:
         s = self.step

@@ -221,7 +221,7 @@ def train_step(s: Session, groups: list) -> None:
     # the last step is scored here too: a checkpoint at it flushes its row before finish() could
     if s.evaluator is not None and (s.step % cfg.eval.every_steps == 0 or s.step == s.last_step):
         host.update(s.evaluate())
-    s.pending = (s.step, dev_metrics, host)
+    s.pending = (s.step, dev_metrics, host, groups)
 
 def commit(s: Session, groups: list, cut: list) -> None:
     """The step's groups leave the ledger and enter the lineage log (this process's share)."""

@@ -145,6 +145,12 @@ class RunLogs:
         """Samples of a trained group left out of the loss (learner.overlong=filter: cut at the length cap)."""
         self.drops.append([{**self._row(step, g), "reason": "overlong", "what": "samples", "samples": samples}])
 
+    def nonfinite(self, step: int, groups: list[Group], updates: int) -> None:
+        """Groups of a step whose loss or gradient was not finite (learner.nonfinite=skip): consumed
+        (in the lineage at `step`), `updates` of the step's optimizer updates not applied."""
+        self.drops.append([{**self._row(step, g), "reason": "nonfinite", "what": "group", "updates_skipped": updates}
+                           for g in groups])
+
     def regenerated(self, step: int, g: Group) -> None:
         """A READY group too stale to train: its rollouts are discarded, the prompt is generated again."""
         self.drops.append([{**self._row(step, g), "reason": "stale", "what": "rollouts",

@@ -208,13 +208,14 @@ def test_a_reward_that_is_not_a_real_number_stops_the_run_naming_it(tmp_path, va
 def test_a_huge_reward_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
     """1e200 is finite in Python and inf in float32: refused before the ledger, the journal or a
     checkpoint holds it, so the run resumes from its last checkpoint once the reward is fixed."""
+    import itertools
+    import time
+
     from helpers import cfg, checkpoint_steps, steps_of
 
     from async_rl.data.rewards import _REGISTRY
     from async_rl.rollout.pump import RewardError
     from async_rl.run.train import train
-    import itertools
-    import time
     run, calls = tmp_path / "run", itertools.count(1)
 
     def huge(completion, answer):  # step 3's first sample, once a checkpoint is committed

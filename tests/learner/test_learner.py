@@ -249,3 +249,20 @@ def test_the_cosine_schedule_is_valid_for_any_warmup_and_length(warmup, max_step
 def test_a_cosine_decay_shorter_than_its_warmup_is_a_config_error():
     with pytest.raises(C.ConfigError, match=r"learner\.decay_steps=5: must be 0 or more than learner\.warmup_steps"):
         C.load("configs/tiny.yaml", ["learner.schedule=cosine", "learner.warmup_steps=5", "learner.decay_steps=5"])
+
+
+def test_an_update_with_a_non_finite_gradient_is_not_applied():
+    updates = 2  # minibatches: the count sums over a step's updates
+    cfg, learner = make(ONE_LAYER, f"learner.minibatches={updates}")
+    rows = random_rows(cfg)
+    good = list(rows)
+    rows[1] = rows[1]._replace(reward=float("nan"))  # its group's advantages, hence every update, are NaN
+    start = jax.device_get(learner.init_state(learner.init_params()))
+    state, metrics = learner.step(jax.device_put(start, learner.state_sh), batch_of(cfg, rows))
+    state, metrics = jax.device_get((state, metrics))
+    assert int(metrics["learner/skipped_updates"]) == updates
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(start)))
+    # the same batch with a finite reward is applied
+    state, metrics = jax.device_get(learner.step(jax.device_put(start, learner.state_sh), batch_of(cfg, good)))
+    assert int(metrics["learner/skipped_updates"]) == 0
+    assert not np.array_equal(jax.tree.leaves(state["params"])[0], jax.tree.leaves(start["params"])[0])
