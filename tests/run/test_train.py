@@ -107,3 +107,38 @@ def test_the_compilation_cache_holds_the_runs_programs_and_then_the_callers_sett
     jax.jit(lambda x: x * 17 - 2)(jnp.ones(6))
     assert set((tmp_path / "cache").iterdir()) == written
     assert {k: getattr(jax.config, k) for k in before} == before
+
+
+def test_a_non_finite_step_is_never_saved_and_skip_goes_on_without_it(tmp_path, monkeypatch):
+    """Step 3's loss is NaN. learner.nonfinite=fail stops the run naming step 3 with its checkpoints
+    finite; the resume under skip trains past it: step 3's update is not applied, its groups are
+    consumed (lineage) and named in drops.jsonl, and every prompt is still trained exactly once."""
+    import math
+
+    from helpers import checkpoint_steps, run_jsonl
+
+    import async_rl.run.train as train_mod
+    from async_rl.state.checkpoint import NonFiniteError
+    build_batch, calls = train_mod.build_batch, {"n": 0, "poison": 3}
+
+    def poisoned(rows, **kw):
+        calls["n"] += 1
+        if calls["n"] == calls["poison"]:
+            rows = [rows[0]._replace(reward=float("nan")), *rows[1:]]
+        return build_batch(rows, **kw)
+    monkeypatch.setattr(train_mod, "build_batch", poisoned)
+    args = ["data.num_records=16", "rollout.prompts_per_step=4", "checkpoint.every_steps=1"]
+    with pytest.raises(NonFiniteError) as e:
+        train(cfg(tmp_path, *args))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("step 3: ") and "not applied" in msg and "nonfinite=skip" in msg, msg
+    assert checkpoint_steps(tmp_path) == [1, 2]
+    calls.update(n=0, poison=1)  # the resumed run's first step is step 3
+    res = train(cfg(tmp_path, *args, "learner.nonfinite=skip"))
+    assert res.exit_code == 0 and res.step == 4
+    rows = {r["step"]: r for r in run_jsonl(tmp_path, "metrics.jsonl")}
+    assert rows[3]["learner/skipped_updates"] == 1 and rows[4]["learner/skipped_updates"] == 0
+    assert rows[3]["learner/loss"] is None and math.isfinite(rows[4]["learner/loss"])
+    drops = [d for d in run_jsonl(tmp_path, "drops.jsonl") if d["reason"] == "nonfinite"]
+    assert sorted(d["step"] for d in drops) == [3] * 4 and all(d["updates_skipped"] == 1 for d in drops)
+    assert audit(tmp_path)["ok"] and sorted(steps_of(tmp_path)) == [1, 2, 3, 4]
