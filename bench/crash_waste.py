@@ -11,15 +11,17 @@ The job: the tiny preset (GRPO on digit reversal, 16384 prompts, 512 steps) with
 Each kill is a real SIGKILL the training process sends itself after its n-th engine call
 (`ASYNC_RL_KILL_AT=generate:<n>`, n drawn at random per session, the same draws for 2 and
 3): a random moment in the generation stream, wherever the learner and the checkpoint
-writer are. Before dying the process prints how many tokens it generated and how many sit
-in unfinished samples in its engine slots ("in flight").
+writer are. Before dying the process prints how many tokens it generated and how many its
+ledger holds in unfinished samples ("in flight": what no journal keeps); the next session
+restores the last committed checkpoint, whose ledger keeps the unfinished samples of its cut.
 
 Counts: tokens generated = the sum over sessions (a killed one from that line, the last one
 from `rollout/generated_tokens`); tokens trained = the final checkpoint's `trained_tokens`;
-the ledger's count of tokens generated twice = generated - trained (in_order trains every
-generated token of an uninterrupted run, so that row reads 0: a check of the accounting);
-tokens generated twice = the ledger's count + the tokens in the engine's slots at each kill
-(unfinished samples: no journal keeps them, the next session generates them again). Wall = the sum of every
+tokens generated again = generated - trained (in_order trains every generated token of an
+uninterrupted run, so that row reads 0: a check of the accounting); in flight = the tokens
+of unfinished samples in the ledger at each kill (counted in "generated" already, part of what
+is generated again); kept = the unfinished samples' tokens in the checkpoint each resumed
+session restores (continued, not generated again). Wall = the sum of every
 session's wall time, restarts included (a short warm-up run fills the compilation cache
 first, so no run pays compilation). Journal cost = `perf/journal_write_frac` of the
 uninterrupted run: time the pump thread spends encoding and queueing records over its time
@@ -87,7 +89,8 @@ class Job:
 
     def run(self, name: str, extra: list[str], kills: list[int]) -> dict:
         d = self.root / name
-        out = {"name": name, "wall": 0.0, "generated": 0, "kills": 0, "in_flight": 0, "sessions": 0, "start": []}
+        out = {"name": name, "wall": 0.0, "generated": 0, "kills": 0, "in_flight": 0, "kept": 0, "sessions": 0,
+               "start": []}
         for n in kills + [None]:
             r = self.session(d, extra, n)
             out["wall"] += r.wall_s
@@ -100,8 +103,11 @@ class Job:
                 out["kills"] += 1
                 out["generated"] += int(hit.group(2))
                 out["in_flight"] += int(hit.group(3))
+                kept = kept_tokens(d)
+                out["kept"] += kept
                 print(f"  {name}: killed after engine call {n} ({int(hit.group(2))} tokens generated, "
-                      f"{int(hit.group(3))} in flight), {r.wall_s:.1f}s", flush=True)
+                      f"{int(hit.group(3))} in flight in the ledger, {kept} kept by the checkpoint the resume "
+                      f"restores), {r.wall_s:.1f}s", flush=True)
                 continue
             if r.rc == -9:
                 sys.exit(f"{name}: killed without the fault line\n{r.tail()}")
@@ -116,10 +122,21 @@ class Job:
             committed_steps(d / "checkpoints")[-1])
         out["trained"] = sum(int(sh.header["trained_tokens"]) for sh in shards)
         out["ledger_twice"] = out["generated"] - out["trained"]
-        out["twice"] = out["ledger_twice"] + out["in_flight"]
+        out["twice"] = out["ledger_twice"]
         audit = common.run_child([sys.executable, "-m", "async_rl", "audit", str(d)], self.env, timeout=300)
         out["audit"] = "ok" if audit.rc == 0 else f"FAIL ({audit.rc})"
         return out
+
+
+def kept_tokens(run_dir: Path) -> int:
+    """Tokens of unfinished samples in the ledger of the newest committed checkpoint: what the
+    next session restores and continues instead of generating again."""
+    from async_rl.state.checkpoint import Checkpointer
+    steps = committed_steps(run_dir / "checkpoints")
+    if not steps:
+        return 0
+    _, shards = Checkpointer(run_dir / "checkpoints", keep=1, async_save=False).read_ledgers(steps[-1])
+    return sum(sh.summary()["kept_tokens"] for sh in shards)
 
 
 def main() -> None:
@@ -148,15 +165,14 @@ def main() -> None:
         extra_s = f"{(r['wall'] - base['wall']) / k:.1f}" if r["kills"] else "-"
         rows.append([r["name"], str(r["kills"]), f"{r['wall']:.1f}", f"{r['wall'] / base['wall']:.2f}x", extra_s,
                      f"{sum(r['start']) / max(len(r['start']), 1):.1f}",
-                     str(r["generated"]), str(r["trained"]), str(r["twice"]), str(r["ledger_twice"]),
-                     str(r["in_flight"]),
+                     str(r["generated"]), str(r["trained"]), str(r["twice"]), str(r["in_flight"]), str(r["kept"]),
                      f"{r['twice'] / k:.0f}" if r["kills"] else "-",
                      f"{r['in_flight'] / k:.0f}" if r["kills"] else "-",
                      str(r["last"].get("rollout/journal_samples", "-")), r["audit"]])
     common.print_table(["run", "kills", "wall s", "vs uninterrupted", "s per kill", "to 1st step s",
                         "tokens generated", "tokens trained",
-                        "generated twice", "of which ledger's count", "of which in slots at kills",
-                        "twice per kill", "in flight per kill", "journal samples (last)",
+                        "generated again", "in flight at kills", "kept by checkpoints",
+                        "again per kill", "in flight per kill", "journal samples (last)",
                         "audit"], rows)
     frac = base["last"].get("perf/journal_write_frac")
     print(f"journal writes: {100 * frac:.2f}% of generation time (uninterrupted run, journal.fsync_every_s=1.0: "

@@ -521,8 +521,10 @@ class Pump:
             self.ledger.changed.notify_all()
 
     def _progress(self) -> str:
-        """For a fault point's message: tokens generated so far, and those in unfinished samples."""
-        live = sum(len(g.samples[si].tokens) for g, si in filter(None, self.slots))
+        """For a fault point's message: tokens generated so far, and those the ledger holds in
+        unfinished samples (in the engine or waiting for an env step): what a kill now loses
+        unless a checkpoint kept it."""
+        live = sum(len(s.tokens) for g in list(self.ledger.groups.values()) for s in list(g.samples) if not s.done)
         return f"generated_tokens={self.stats.tokens} in_flight_tokens={live}"
 
     def _reward_backlog(self) -> None:

@@ -231,3 +231,15 @@ def test_a_reward_out_of_range_is_refused_before_anything_records_it(value):
     msg = str(e.value)
     assert "\n" not in msg and "prompt_id=11 sample 1" in msg and repr(value) in msg, msg
     assert [s.reward for s in g.samples] == [None] * 3 and pump.journal.records == []
+
+
+def test_the_tokens_in_flight_at_a_kill_are_the_ledgers_unfinished_samples():
+    """A fault point's message counts the ledger's unfinished samples, engine slots or not."""
+    pump, _ = make_pump()
+    with pump.ledger.lock:
+        g = pump.ledger.add({"prompt_id": 3, "epoch": 0, "prompt": "1=", "answer": "1",
+                             "prompt_tokens": np.array([1, 2], np.int32)}, None)
+    g.samples[0].tokens, g.samples[0].done = [4, 5, 6], True  # finished: the journal keeps it
+    g.samples[1].tokens = [4, 5]  # unfinished, in no slot (e.g. waiting for an env step)
+    pump.stats.tokens = 5
+    assert pump._progress() == "generated_tokens=5 in_flight_tokens=2"
