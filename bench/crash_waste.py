@@ -29,6 +29,7 @@ in engine calls (the write and fdatasync run on the journal's own threads).
 
     python bench/crash_waste.py                  # K=3 kills, seed 0
     python bench/crash_waste.py --kills 4 --seed 1 --records 8192
+    python bench/crash_waste.py --records 1024 --every 5 --kills 2 --steps-per-call 2   # minutes
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def parse_args():
     ap.add_argument("--min-frac", type=float, default=0.08, help="a session is killed after at least this "
                                                                  "fraction of the job's engine calls")
     ap.add_argument("--max-frac", type=float, default=0.25, help="... and at most this fraction")
+    ap.add_argument("--steps-per-call", type=int, default=C.EngineConfig().steps_per_call,
+                    help="engine.steps_per_call; below rollout.max_new_tokens (the tiny preset's 8) samples span "
+                         "engine calls, so a kill finds unfinished ones in the ledger")
     ap.add_argument("--devices", type=int, default=1, help="forced CPU devices per run")
     ap.add_argument("--timeout", type=float, default=1800, help="per session, seconds")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
@@ -78,7 +82,8 @@ class Job:
     def argv(self, run_dir: Path, *extra: str) -> list[str]:
         return common.train_argv(self.args.config, [
             f"run.dir={run_dir}", f"run.compilation_cache={self.cache}", *common.QUIET,
-            f"data.num_records={self.args.records}", f"checkpoint.every_steps={self.args.every}", *extra])
+            f"data.num_records={self.args.records}", f"checkpoint.every_steps={self.args.every}",
+            f"engine.steps_per_call={self.args.steps_per_call}", *extra])
 
     def session(self, run_dir: Path, extra: list[str], kill_at: int | None) -> common.ChildRun:
         env = dict(self.env, ASYNC_RL_KILL_AT=f"generate:{kill_at}" if kill_at else "")
@@ -151,7 +156,7 @@ def main() -> None:
     base = job.run("uninterrupted", [], [])
     steps = base["last"]["step"]
     slots = 64  # the preset's engine.max_concurrent_decodes
-    k = C.EngineConfig().steps_per_call  # tokens per slot per engine call (the default)
+    k = args.steps_per_call  # tokens per slot per engine call
     calls = base["generated"] / (slots * k)  # roughly: the slots stay full
     rng = random.Random(args.seed)
     kills = [int(rng.uniform(args.min_frac, args.max_frac) * calls) for _ in range(args.kills)]

@@ -318,9 +318,10 @@ class Learner:
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)
-        # an update whose loss or gradient is not finite is never applied: the weights and the
+        # an update whose loss, gradient or step is not finite is never applied: the weights and the
         # optimizer state stay as they were (learner.nonfinite decides whether the run goes on)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = [jnp.isfinite(u).all() for u in jax.tree.leaves(updates)]  # an lr of inf in float32: a finite
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.all(jnp.stack(finite))  # gradient, inf update
         new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), {"params": params, "opt": opt}, state)
         return new, dict(stats, loss=loss, grad_norm=grad_norm, skipped_updates=(~ok).astype(jnp.int32))
 

@@ -242,8 +242,9 @@ class Session:
         skipped = int(row.get("learner/skipped_updates", 0))
         if (bad or skipped) and self.cfg.learner.nonfinite == "fail":
             # step 1's loss is computed with the starting weights, before any update
-            start = "; the starting weights already give it (model.hf_path may hold NaN or inf)" if s == 1 else ""
-            what = ", ".join(f"{k}={v}" for k, v in bad.items()) or f"{skipped} non-finite updates"
+            start = "; the starting weights already give it (model.hf_path may hold NaN or inf)" \
+                if s == 1 and bad else ""
+            what = ", ".join(f"{k}={v}" for k, v in bad.items()) or f"{skipped} updates with non-finite values"
             raise NonFiniteError(
                 f"step {s}: {what}: training diverged{start}; its update was not applied and the step not saved "
                 f"({last_committed(self.ckpt.directory)}). Lower learner.lr or change the data (or set "
@@ -258,7 +259,7 @@ class Session:
     def _skipped(self, s: int, skipped: int, bad: dict, groups: list) -> None:
         """learner.nonfinite=skip: a step with updates not applied. Its groups stay consumed (in
         the lineage, trained at `s`); drops.jsonl says their update was skipped."""
-        what = ", ".join(f"{k}={v}" for k, v in bad.items()) or "a non-finite update"
+        what = ", ".join(f"{k}={v}" for k, v in bad.items()) or "updates with non-finite values"
         self.log(f"warning: step {s}: {what}: {skipped} of its {updates_per_step(self.cfg)} updates not applied "
                  f"(learner.nonfinite=skip); its {len(groups)} groups are consumed (drops.jsonl: nonfinite)")
         with self.ledger.lock:
