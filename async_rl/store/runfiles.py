@@ -23,6 +23,7 @@ FINAL = "final.json"  # how the run ended (step, reason, complete epochs); absen
 REWARD_PLOT = "reward.png"  # mean reward per step, drawn at the end (log.plot)
 WANDB_STATE = "wandb.json"  # the W&B run id and the last step it holds (log.wandb)
 WANDB = "wandb"  # W&B's own folder of session files
+WANDB_TMP = "wandb/tmp"  # W&B's temporary files and caches of the session (emptied at each start)
 TB = "tb"  # TensorBoard event files
 CHECKPOINTS = "checkpoints"  # Orbax's step folders (ckpt_layout names what is inside)
 DAMAGED = "damaged"  # checkpoint steps that failed verification, set aside as step_<n>_<time>
