@@ -59,6 +59,7 @@ class RunConfig:
     reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
     determinism: bool = False  # bit-identical resume (in_order sampler only)
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
+    compilation_cache_max_gb: float = 4.0  # cap on that dir, least recently used programs evicted; 0 = no cap, GB
     memory_check: bool = True  # refuse at start-up a model whose estimated memory exceeds what is available
     lease_s: float = 60.0  # gs:// / s3:// run.dir: a run lock not renewed for this long is taken over, seconds
     storage_timeout_s: float = 300.0  # gs:// / s3:// run.dir: a storage call unanswered this long (with retries) stops the run, seconds
@@ -67,6 +68,8 @@ class RunConfig:
         _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
         _check(self.lease_s >= 1, "run.lease_s", self.lease_s, "must be >= 1 (seconds; renewed every third of it)")
         _check(self.storage_timeout_s >= 5, "run.storage_timeout_s", self.storage_timeout_s, "must be >= 5 (seconds)")
+        _check(self.compilation_cache_max_gb >= 0, "run.compilation_cache_max_gb", self.compilation_cache_max_gb,
+               "must be >= 0 (GB; 0 = no cap)")
 
 
 @dataclass(frozen=True)

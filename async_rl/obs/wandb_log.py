@@ -16,10 +16,14 @@ sees twice. Steps trained again after a resume keep the row W&B has first. Optio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import secrets
+import shutil
 import string
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,13 +44,37 @@ def check_installed() -> None:
         raise ConfigError("log.wandb=true: the wandb package is not installed (pip install 'async_rl[wandb]')")
 
 
+@contextlib.contextmanager
+def _temp_files_in(folder: Path):
+    """W&B's temporary folders (made when wandb is imported, and by the wandb-core process that
+    wandb.init starts: its socket folder, media and artifact staging, debug logs in its cache)
+    go in `folder` instead of /tmp and ~/.cache, so a session killed with its wandb-core leaves
+    them in run.dir, where the next session's start empties them. The caller's settings return
+    afterwards: the rest of the process, and processes it starts, keep their own."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    ours = {"TMPDIR": str(folder), "WANDB_CACHE_DIR": str(folder / "cache"), "WANDB_DATA_DIR": str(folder / "data")}
+    # WANDB_SERVICE (set by wandb.init) would point child processes at a socket in `folder`
+    theirs, tempdir = {k: os.environ.get(k) for k in (*ours, "WANDB_SERVICE")}, tempfile.tempdir
+    os.environ.update(ours)
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = tempdir
+        for k, v in theirs.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class WandbLog:
     """A W&B run for `run_dir`: created on the job's first session, resumed by id on every later one."""
 
     def __init__(self, run_dir: Path, config: dict, *, project: str, entity: str = "", name: str = "",
                  tags: tuple[str, ...] = (), log=print):
         check_installed()
-        import wandb
         self.path = Path(run_dir) / runfiles.WANDB_STATE
         state = json.loads(self.path.read_text()) if self.path.is_file() else {}
         run_id = state.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
@@ -54,8 +82,10 @@ class WandbLog:
         # the same second would reuse the folder and overwrite the earlier session's files
         while any((Path(run_dir) / runfiles.WANDB).glob(f"*run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
             time.sleep(0.1)
-        self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).resolve().name,
-                              tags=list(tags), id=run_id, resume="allow", dir=str(run_dir), config=config)
+        with _temp_files_in(Path(run_dir) / runfiles.WANDB_TMP):
+            import wandb
+            self.run = wandb.init(project=project, entity=entity or None, name=name or Path(run_dir).resolve().name,
+                                  tags=list(tags), id=run_id, resume="allow", dir=str(run_dir), config=config)
         self.offline = bool(getattr(self.run, "offline", False))
         if self.offline:
             self.logged = int(state.get("logged", -1))

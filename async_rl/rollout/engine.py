@@ -399,7 +399,9 @@ class Engine:
         if not todo:
             return decode_state
         n = len(todo)
-        arr = np.zeros((4, 1 << (n - 1).bit_length()), np.int32)  # padded to a power of two: few shapes
+        # padded to the slot count (distinct slots: n never exceeds it): one program per prefix
+        # shape, not one per count as well (the loop runs n times whatever the padding)
+        arr = np.zeros((4, self.max_concurrent_decodes), np.int32)
         arr[:, :n] = np.asarray(todo, np.int32).T
         prefix, decode_state = _checked(prefix, Prefix), _checked(decode_state, DecodeState)
         host = decode_state.host.copy()

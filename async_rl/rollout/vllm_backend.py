@@ -122,7 +122,8 @@ def from_config(cfg, stop_ids: Sequence[int], n_tokens: int, params, version: in
                        tie_embeddings=cfg.model.tie_embeddings, gpu_memory_utilization=e.gpu_memory_utilization,
                        cpu_kv_cache_gib=e.vllm_cpu_kv_cache_gib, n_tokens=n_tokens,
                        enforce_eager=e.vllm_enforce_eager, params=params, version=version, spare_slots=spare_slots,
-                       lora=lora, gemma=cfg.model.gemma)
+                       lora=lora, gemma=cfg.model.gemma,
+                       adapter_dir=None if lora is None else vllm_lora.folder(cfg.run.dir, jax.process_index()))
 
 
 class _Shared:
@@ -161,7 +162,7 @@ class VLLMRollout:
                  temperature: float, top_k: int, top_p: float, seed: int, stop_ids: Sequence[int], dtype: str,
                  tie_embeddings: bool, gpu_memory_utilization: float, cpu_kv_cache_gib: int,
                  n_tokens: int = 0, enforce_eager: bool = False, params=None, version: int = 0, spare_slots: int = 0,
-                 lora=None, gemma: bool = False):
+                 lora=None, gemma: bool = False, adapter_dir=None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights load without IPC
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM
@@ -175,7 +176,7 @@ class VLLMRollout:
                   enable_prefix_caching=False, logprobs_mode="processed_logprobs",
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, **extra)
         adapters = None if lora is None else vllm_lora.Adapters(llm.llm_engine, rank=lora.rank, alpha=lora.alpha,
-                                                                  gemma=gemma)
+                                                                  gemma=gemma, root=adapter_dir)
         shared = _Shared(llm, seed, tuple(int(t) for t in stop_ids), tie_embeddings, adapters)
         self.owns_engine = True  # closing this (not a view) frees what the engine's views share
         self.device = jax_device(shared.runner.device)  # where published weights are handed over

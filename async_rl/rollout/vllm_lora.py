@@ -7,6 +7,11 @@ id of its own, counting the requests that use each, and freeing a version (vLLM'
 `remove_lora`, then its directory) once no request uses it and a newer one is loaded. Does
 not own: the engine's requests (`vllm_backend`), PEFT's tensor names (`hf`).
 
+The folder is `run.dir/.vllm_lora` (`.vllm_lora.p<i>` for process i), emptied when the backend
+starts and removed when it closes, so a session killed with SIGKILL leaves its adapters only
+in run.dir, until the next start; a run.dir on an object store (vLLM reads local folders only)
+uses a folder in the system's temporary folder instead.
+
 A request keeps the adapter it started with for its life, so its tokens carry that
 adapter's version (see docs/design.md, "LoRA").
 """
@@ -24,6 +29,7 @@ import jax
 from flax import nnx
 
 from async_rl.model import hf
+from async_rl.store import runfiles, storage
 
 # The values vLLM accepts for max_lora_rank; an adapter of a smaller rank is zero-padded to it.
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -44,6 +50,14 @@ def engine_args(rank: int, slots: int, max_new_tokens: int, steps_per_call: int)
     return dict(enable_lora=True, max_lora_rank=max_lora_rank(rank), max_loras=loras, max_cpu_loras=loras + 1)
 
 
+def folder(run_dir: str, process_index: int) -> Path | None:
+    """Where this process's adapter directories go: in a local run.dir; None (a temporary
+    folder) for one on an object store."""
+    if not run_dir or storage.is_remote(run_dir):
+        return None
+    return runfiles.vllm_lora_dir(Path(run_dir).expanduser(), process_index)
+
+
 @dataclass(eq=False)
 class Loaded:
     version: int  # the published version whose adapters these are
@@ -55,9 +69,14 @@ class Loaded:
 class Adapters:
     """The versions whose adapters vLLM holds; callers hold the backend's engine lock."""
 
-    def __init__(self, engine, *, rank: int, alpha: float, gemma: bool = False):
+    def __init__(self, engine, *, rank: int, alpha: float, gemma: bool = False, root: Path | None = None):
         self.engine, self.rank, self.alpha, self.gemma = engine, rank, alpha, gemma
-        self.root = Path(tempfile.mkdtemp(prefix="async_rl_vllm_lora_"))
+        if root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="async_rl_vllm_lora_"))
+        else:
+            shutil.rmtree(root, ignore_errors=True)  # a killed session's adapters
+            root.mkdir(parents=True)
+            self.root = root
         # removed at close, or when this is collected or the process exits without one
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
         self.loaded: dict[int, Loaded] = {}  # lora id -> what it holds

@@ -68,16 +68,21 @@ class Start:
 
 
 @contextlib.contextmanager
-def compilation_cache(path: str):
+def compilation_cache(path: str, max_gb: float = 0.0):
     """run.compilation_cache for every program the run compiles (any size, any compile time);
     afterwards the caller's own settings, so a notebook's later compilations are not written
-    there. JAX reads its cache settings once: reset_cache makes each change take effect."""
+    there. JAX reads its cache settings once: reset_cache makes each change take effect.
+    `max_gb` > 0 caps the folder with JAX's own least-recently-used eviction."""
     if not path:
         yield
         return
     from jax.experimental.compilation_cache import compilation_cache as cc
-    ours = {"jax_compilation_cache_dir": str(Path(path).expanduser()),
+    folder = Path(path).expanduser()
+    cap = int(max_gb * 1e9) if max_gb > 0 else -1
+    ours = {"jax_compilation_cache_dir": str(folder), "jax_compilation_cache_max_size": cap,
             "jax_persistent_cache_min_compile_time_secs": 0, "jax_persistent_cache_min_entry_size_bytes": 0}
+    if cap > 0:
+        trim_compilation_cache(folder, cap)
     theirs = {k: getattr(jax.config, k) for k in ours}
     for k, v in ours.items():
         jax.config.update(k, v)
@@ -88,6 +93,21 @@ def compilation_cache(path: str):
         for k, v in theirs.items():
             jax.config.update(k, v)
         cc.reset_cache()
+
+
+def trim_compilation_cache(folder: Path, cap: int) -> None:
+    """Makes `folder` one JAX's capped cache can evict from, and evicts down to `cap` bytes now
+    (JAX evicts only when it writes). An entry written without a cap (or cut off by a kill) has
+    no access time, on which JAX's eviction fails, and then writes nothing: it gets its file's
+    modification time."""
+    from jax._src import lru_cache  # the cache's own eviction and its file names; no public API
+    cache = lru_cache.LRUCache(str(folder), max_size=cap)
+    with cache.lock.acquire(timeout=cache.lock_timeout_secs):
+        for entry in folder.glob(f"*{lru_cache._CACHE_SUFFIX}"):
+            atime = folder / (entry.name.removesuffix(lru_cache._CACHE_SUFFIX) + lru_cache._ATIME_SUFFIX)
+            if not atime.exists():
+                atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+        cache._evict_if_needed()
 
 
 

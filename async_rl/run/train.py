@@ -51,7 +51,7 @@ def train(cfg: Config, log=None) -> RunResult:
         log = _prefixed(log, f"[process {jax.process_index()}/{jax.process_count()}] ")
     signals = sig.install(log)
     try:
-        with compilation_cache(cfg.run.compilation_cache):
+        with compilation_cache(cfg.run.compilation_cache, cfg.run.compilation_cache_max_gb):
             return _train(cfg, log, signals)
     finally:
         sig.release(signals)

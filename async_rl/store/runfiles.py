@@ -23,6 +23,7 @@ FINAL = "final.json"  # how the run ended (step, reason, complete epochs); absen
 REWARD_PLOT = "reward.png"  # mean reward per step, drawn at the end (log.plot)
 WANDB_STATE = "wandb.json"  # the W&B run id and the last step it holds (log.wandb)
 WANDB = "wandb"  # W&B's own folder of session files
+WANDB_TMP = "wandb/tmp"  # W&B's temporary files and caches of the session (emptied at each start)
 TB = "tb"  # TensorBoard event files
 CHECKPOINTS = "checkpoints"  # Orbax's step folders (ckpt_layout names what is inside)
 DAMAGED = "damaged"  # checkpoint steps that failed verification, set aside as step_<n>_<time>
@@ -33,6 +34,7 @@ RESTARTING = ".restarting"  # a restart in progress: names the folder the histor
 LOCK = ".lock"  # the run lock (flock file, or the lease object on an object store), + .p<i>
 RUN_ID = "run_id"  # the run's identity, random, made at its first start: env step keys name it
 PROBE = ".probe-"  # the object a start-up check writes and deletes at once, + <host>-<pid>
+VLLM_LORA = ".vllm_lora"  # engine.backend=vllm with LoRA: the adapter folders vLLM loads, emptied at each start
 # the append-only logs of one process, cut back to a checkpoint's sizes on resume (I5)
 LOGS = {
     "lineage": "one line per consumed group (trained, or filtered)",
@@ -123,6 +125,11 @@ def probe(run_dir, host: str, pid: int):
 def damaged_step(run_dir, step: int, when: int):
     """Where a checkpoint step that failed verification is set aside (`when`: epoch seconds)."""
     return run_dir / DAMAGED / f"step_{step}_{when}"
+
+
+def vllm_lora_dir(run_dir, i: int = 0):
+    """Process i's folder of PEFT adapter directories for its vLLM engine (local run.dir only)."""
+    return run_dir / f"{VLLM_LORA}{_suffix(i)}"
 
 
 def journal_dir(run_dir, i: int):

@@ -180,9 +180,9 @@ def load(path, mesh=None, param_dtype="float32"):
 
 
 def our_logits(graphdef, params, tokens, positions) -> np.ndarray:
-    model = nnx.merge(graphdef, params)
-    valid = np.ones(tokens.shape, bool)
-    return np.asarray(jax.jit(lambda *a: model(*a))(tokens, positions.astype(np.int32), valid))
+    valid = np.ones(tokens.shape, bool)  # the weights an argument: closed over, they would be constants
+    return np.asarray(jax.jit(lambda p, *a: nnx.merge(graphdef, p)(*a))(params, tokens, positions.astype(np.int32),
+                                                                        valid))
 
 
 def sample_inputs(V=96, B=2, T=12, offset=37):

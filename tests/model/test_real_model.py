@@ -74,8 +74,9 @@ def gemma_loaded(gemma3):
 def logits(graphdef, params, tokens):
     T = tokens.shape[1]
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), tokens.shape)
-    model = nnx.merge(graphdef, params)
-    return np.asarray(jax.jit(lambda *a: model(*a))(tokens, positions, np.ones(tokens.shape, bool)))
+    # the weights are an argument: closed over, they would be constants in the program
+    return np.asarray(jax.jit(lambda p, *a: nnx.merge(graphdef, p)(*a))(params, tokens, positions,
+                                                                        np.ones(tokens.shape, bool)))
 
 
 def test_loader_reads_the_checkpoint(smollm2, loaded):
@@ -112,12 +113,15 @@ def engine_learner_gap(loaded, prompts, eos) -> float:
     eng = Engine(mcfg, graphdef, vocab_size=mcfg.vocab_size, slots=4, max_prompt_len=P, max_new_tokens=N,
                  temperature=1.0, top_k=0, top_p=1.0, seed=3, devices=jax.devices()[:1])
     comps = generate_all(eng, eng.load_params(params), prompts, samples=2, eos_id=eos)
-    model = nnx.merge(graphdef, params)
 
     @jax.jit
-    def learner(row, positions, valid, completion):
+    def learner_(params, row, positions, valid, completion):  # the weights an argument, not constants
+        model = nnx.merge(graphdef, params)
         x = model.hidden(row, positions, valid)
         return losses.completion_logprobs(model.logits, x[:, P - 1:P - 1 + N], completion, 1.0)[0]
+
+    def learner(*a):
+        return learner_(params, *a)
 
     worst = 0.0
     for prompt, per in zip(prompts, comps):

@@ -2,6 +2,7 @@
 holds every step's row as metrics.jsonl has it. Skipped where the wandb extra is not installed."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -105,3 +106,39 @@ def test_after_a_sigkill_offline_every_row_of_metrics_jsonl_is_sent_again(tmp_pa
     w.close()
     files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert [row["_step"] for row in history_rows(files[-1])] == [13]
+
+
+# a session that hands steps 1..3 to wandb, then is killed with its wandb-core (its whole group)
+_KILLED_WITH_CORE = """
+import os, signal, sys
+from pathlib import Path
+from async_rl.obs.wandb_log import WandbLog
+w = WandbLog(Path(sys.argv[1]), {"a": 1}, project="async_rl_test")
+for s in range(1, 4):
+    w.log(s, {"x": float(s)})
+os.killpg(0, signal.SIGKILL)
+"""
+
+
+def test_a_session_killed_with_its_wandb_core_leaves_wandbs_temporary_files_only_in_run_dir(tmp_path, monkeypatch):
+    """W&B's temporary folders (socket folder, media and artifact staging, debug logs) are made
+    under run.dir/wandb/tmp, not in the system's temporary folder or ~/.cache: a SIGKILL of the
+    session and its wandb-core leaves nothing outside run.dir, and the next start empties them."""
+    run, system_tmp, home = tmp_path / "run", tmp_path / "system_tmp", tmp_path / "home"
+    for d in (run, system_tmp, home):
+        d.mkdir()
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TMPDIR": str(system_tmp),
+           "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "XDG_DATA_HOME": str(home / ".local")}
+    r = subprocess.run([sys.executable, "-c", _KILLED_WITH_CORE, str(run)], capture_output=True, text=True,
+                       timeout=300, env=env, start_new_session=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert not any(system_tmp.iterdir()), sorted(system_tmp.iterdir())
+    assert not any(p.is_file() for p in home.rglob("*")), sorted(home.rglob("*"))
+    left = {p.name for p in (run / "wandb" / "tmp").iterdir()}
+    assert left  # W&B's temporary folders, in run.dir
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    w = WandbLog(run, {"a": 1}, project="async_rl_test", log=lambda _: None)
+    left -= {"cache", "data"}  # the killed session's own folders, named at random
+    assert left and not left & {p.name for p in (run / "wandb" / "tmp").iterdir()}  # ... are gone
+    w.close()

@@ -70,6 +70,21 @@ def test_greedy_matches_naive_across_refills_and_compiles_once(model, prompts):
     assert len({len(c.tokens) for row in out for c in row}) > 1, "test wants some EOS stops"
 
 
+def test_inserting_any_number_of_rows_of_one_prefix_shape_is_one_program(model, prompts):
+    """The insert's program depends on the prefix's shape only, not on how many slots a call
+    fills: a long multi-turn run that inserts 1, 2, 3... rows at a time does not compile (and
+    hold) a program per count."""
+    graphdef, params = model
+    eng = make_engine(graphdef, slots=8)
+    params = eng.load_params(params)
+    prefix = eng.prefill_many(params, [(p, None) for p in prompts[:4]])  # one shape: 4 rows
+    st = eng.init_decode_state()
+    for n in (1, 2, 3, 5):
+        st = eng.insert_many(prefix, st, [(i, i % 4, i, 0) for i in range(n)])
+        st = eng.free_many(st, range(n))
+    assert eng.compile_counts()["insert"] == 1
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0.0, 0, 1.0)])
 def test_logprobs_match_full_model(model, prompts, temperature, top_k, top_p):
     graphdef, params = model

@@ -1,4 +1,5 @@
 """End-to-end training in-process: lineage exactly-once, remainders, learning signal."""
+import time
 from collections import Counter
 
 import numpy as np
@@ -142,3 +143,38 @@ def test_a_non_finite_step_is_never_saved_and_skip_goes_on_without_it(tmp_path, 
     drops = [d for d in run_jsonl(tmp_path, "drops.jsonl") if d["reason"] == "nonfinite"]
     assert sorted(d["step"] for d in drops) == [3] * 4 and all(d["updates_skipped"] == 1 for d in drops)
     assert audit(tmp_path)["ok"] and sorted(steps_of(tmp_path)) == [1, 2, 3, 4]
+
+
+def test_the_compilation_cache_stays_under_its_cap_evicting_the_least_recently_used(tmp_path):
+    """run.compilation_cache_max_gb caps the folder: entries written before a cap was set (no
+    access time) are evicted oldest first when a capped run starts, and every program it
+    compiles is written, evicting older ones, so the folder never passes the cap."""
+    import jax
+    import jax.numpy as jnp
+
+    from async_rl.run.build import compilation_cache
+    folder, x = tmp_path / "cache", jnp.ones(9)  # only the programs below go in the cache
+
+    def compile_(i):
+        jax.jit(lambda x: x * (i + 100) - i)(x)
+
+    def entries():
+        return sorted(folder.glob("*-cache"), key=lambda p: p.stat().st_mtime_ns)
+
+    def total():
+        return sum(p.stat().st_size for p in entries())
+
+    with compilation_cache(str(folder)):  # no cap
+        for i in range(4):
+            compile_(i)
+            time.sleep(0.01)
+    old = entries()
+    assert len(old) == 4
+    cap = 2.5 * max(p.stat().st_size for p in old)  # room for two entries
+    with compilation_cache(str(folder), cap / 1e9):
+        assert total() <= cap and {p.name for p in entries()} == {p.name for p in old[2:]}  # the oldest went
+        for i in range(4, 7):
+            compile_(i)
+            assert total() <= cap
+            assert len(entries()) == 2
+    assert not {*entries()} & {*old}  # each program the capped run compiled was written

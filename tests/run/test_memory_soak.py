@@ -1,0 +1,51 @@
+"""Memory of a long multi-turn run: the process's resident memory should level off once every
+program shape has compiled, not keep rising with the steps."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+STEPS = int(os.environ.get("ASYNC_RL_SOAK_MEMORY_STEPS", "300"))
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+@pytest.mark.soak  # several minutes of training on 2 cores
+# measured at 120 steps: +74 MB from the second quarter to the last (860 -> 890 -> 866 MB at the
+# quarter marks), with the insert program per count of rows removed; the rest is not yet found
+@pytest.mark.xfail(strict=False, reason="resident memory still rises over a multi-turn run")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_long_multi_turn_runs_memory_stops_growing(tmp_path, xla_cache):
+    """configs/tiny-tools.yaml (an env turn per episode) for STEPS steps with checkpoints: the
+    median resident memory of the last quarter of the run is within 64 MB of the second
+    quarter's (warm-up, compilation and the first checkpoints are in the first)."""
+    args = [sys.executable, "-m", "async_rl", "train", "--config", "configs/tiny-tools.yaml", f"run.dir={tmp_path}",
+            f"train.max_steps={STEPS}", "eval.every_steps=0", "checkpoint.every_steps=25", "log.progress=false",
+            "log.tensorboard=false", "log.plot=false", f"run.compilation_cache={xla_cache}"]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples = []
+    end = time.monotonic() + 1800
+    try:
+        while p.poll() is None and time.monotonic() < end:
+            if (mb := _rss_mb(p.pid)) is not None:
+                samples.append(mb)
+            time.sleep(1.0)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-2000:]
+    q = len(samples) // 4
+    assert q >= 10, f"too few samples ({len(samples)})"
+    second, last = sorted(samples[q:2 * q]), sorted(samples[3 * q:])
+    growth = last[len(last) // 2] - second[len(second) // 2]
+    assert growth < 64, f"RSS rose {growth:.0f} MB from the second quarter to the last ({samples[::q]})"
