@@ -145,7 +145,9 @@ def _builtin(name: str, cfg):
         from async_rl.data.tool_tasks import RecallEnv
         return RecallEnv(seed=cfg.data.seed, max_turns=cfg.rollout.env_max_turns)
     from async_rl.env.mcp import MCPEnv
-    return MCPEnv(cfg.rollout.mcp_server, max_turns=cfg.rollout.env_max_turns)
+    env = MCPEnv(cfg.rollout.mcp_server, max_turns=cfg.rollout.env_max_turns)
+    env.check(cfg.rollout.env_timeout_s)  # a server that cannot be reached is refused now, not at a first call
+    return env
 
 
 BUILTIN_ENVS = ("lookup", "recall", "mcp")

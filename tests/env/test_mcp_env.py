@@ -231,3 +231,27 @@ def test_mcp_needs_a_server_and_a_bad_command_is_one_line():
     finally:
         runner.close(timeout_s=5)
     assert isinstance(r, EnvError) and "\n" not in str(r) and "/nonexistent/mcp-server" in str(r)
+
+
+@pytest.mark.parametrize("kind", ["nothing listens", "no such command"])
+def test_a_server_that_cannot_be_reached_is_refused_at_start_up(tmp_path, capsys, kind):
+    """A run whose policy never calls a tool would otherwise finish without ever reaching it."""
+    from helpers import FAST
+
+    from async_rl.run.cli import main
+    server = f"http://127.0.0.1:{free_port()}/mcp" if kind == "nothing listens" else "/nonexistent/mcp-server --flag"
+    t0 = time.monotonic()
+    code = main(["train", "--config", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}", *FAST,
+                 "rollout.env=mcp", f"rollout.mcp_server={server}", "rollout.env_timeout_s=20"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"error: rollout.mcp_server={server!r}: cannot connect and list its tools (")
+    assert time.monotonic() - t0 < 60
+
+
+def test_start_up_lists_the_tools_the_server_serves(server):
+    spec, _ = server
+    cfg = C.load(None, [*MODEL, "rollout.env=mcp", f"rollout.mcp_server={spec}"])
+    env = load_env(cfg.rollout.env, cfg)
+    assert sorted(t["function"]["name"] for t in env.tools) == ["add", "broken", "lookup", "sleepy"]
