@@ -174,6 +174,7 @@ class HFTokenizer:
 
         self.path = Path(path).expanduser()
         self.template, self.reply_prefix, self.system = template, reply_prefix, system
+        self.tools: Optional[list[dict]] = None  # the env's tools, for `{tools}` in the system message
         # the first reply's opening: a job can force a tool call (a `tool_choice` of "required")
         # and let later turns, which read the tool's result, start free
         self.first_reply_prefix = first_reply_prefix or reply_prefix
@@ -285,10 +286,23 @@ class HFTokenizer:
         the reply prefix (so the reply continues it)."""
         return "".join(t for t, _ in _segments(self._marked_prompt(prompt), self.path))
 
+    def use_tools(self, tools: Optional[list[dict]]) -> None:
+        """The env's tools (as its server lists them): `{tools}` in tokenizer.system becomes their list."""
+        self.tools = tools
+
+    def _system(self) -> str:
+        if "{tools}" not in self.system:
+            return self.system
+        if not self.tools:
+            raise ConfigError("tokenizer.system: has {tools}, but rollout.env lists no tools (set rollout.env to an "
+                              "env with tools, e.g. mcp, or write the tools into the message)")
+        from async_rl.data.tool_calls import describe_tools
+        return self.system.replace("{tools}", describe_tools(self.tools))
+
     def _marked_prompt(self, prompt: str) -> str:
         text = _render(self.template, _data(prompt))
         if self._chat_template is not None and self.system:
-            text = self._chat_template.messages([{"role": "system", "content": self.system},
+            text = self._chat_template.messages([{"role": "system", "content": self._system()},
                                                  {"role": "user", "content": text}], True)
         elif self._chat_template is not None:
             text = self._chat_template(text)
@@ -301,8 +315,8 @@ class HFTokenizer:
         if not self.system:
             return ""
         if self._chat_prefix.startswith("<|im_start|>"):
-            return f"<|im_start|>system\n{self.system}<|im_end|>\n"
-        return f"<|start_header_id|>system<|end_header_id|>\n\n{self.system}<|eot_id|>"
+            return f"<|im_start|>system\n{self._system()}<|im_end|>\n"
+        return f"<|start_header_id|>system<|end_header_id|>\n\n{self._system()}<|eot_id|>"
 
     def render_observation(self, text: str, role: str = "tool", closed: bool = True) -> list[int]:
         """The tokens that follow an assistant reply in a multi-turn episode: the end of the

@@ -180,6 +180,12 @@ def load_env(spec: str, cfg=None):
     return env
 
 
+def use_env_tools(tok, env) -> None:
+    """Gives the tokenizer the env's tools (an MCP env's as its server listed them at start-up)."""
+    if env is not None and hasattr(tok, "use_tools"):
+        tok.use_tools(getattr(env, "tools", None))
+
+
 # --- running steps --------------------------------------------------------------------------
 
 @dataclass(eq=False)
