@@ -117,7 +117,7 @@ class TokenizerConfig:
     template: str = "{prompt}"  # prompt template; {prompt} is replaced by the record's prompt
     chat: bool = False  # wrap the prompt with the tokenizer's chat template
     reply_prefix: str = ""  # text the reply starts with, put at the end of the prompt (after the chat format)
-    system: str = ""  # tokenizer.chat: a system message before every prompt (tools, a worked call); "" = none
+    system: str = ""  # tokenizer.chat: a system message before every prompt; {tools} = the env's tools, one line each; "" = none
     first_reply_prefix: str = ""  # an episode's first reply starts with this instead of reply_prefix (a forced tool call's opening)
 
     def __post_init__(self):

@@ -4,7 +4,9 @@ Owns: the built-in byte tokenizer, a wrapper around a Hugging Face `tokenizer.js
 (via the `tokenizers` library) with its special ids read from the files that sit
 beside it, the prompt template and chat wrapping (the model's own jinja chat template from
 `tokenizer_config.json` when it has one, else built-in ChatML / Llama-3 wrapping), and BOS
-handling. Does not own: rendering a jinja template within bounds (`chat_template`),
+handling, and keeping data out of the markup: a prompt's text and an observation are
+encoded with special-token matching off, so text that spells `<|im_end|>` never becomes that
+token (only the template's own markers are special). Does not own: rendering a jinja template within bounds (`chat_template`),
 which prompts exist (`data`), padding prompts into batches (`engine`), or stopping
 generation (the engine reads `eos_id` / `stop_ids` from here).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
@@ -59,6 +62,27 @@ def completion_text(tok, tokens: Sequence[int]) -> str:
         else:
             run.append(t)
     return "".join(parts) + tok.decode(run)
+
+
+# Marks data (a prompt's text, an observation) inside rendered markup: what lies between is
+# encoded with special-token matching off. Random per process, so no text can spell one.
+_OPEN, _CLOSE = f"\x00{uuid.uuid4().hex}[", f"]{uuid.uuid4().hex}\x00"
+
+
+def _data(text: str) -> str:
+    return _OPEN + text + _CLOSE
+
+
+def _segments(marked: str, where) -> list[tuple[str, bool]]:
+    """`marked` cut into (text, is_data) pieces, in order."""
+    out = []
+    for i, piece in enumerate(marked.split(_OPEN)):
+        data, sep, rest = piece.partition(_CLOSE) if i else ("", True, piece)
+        if not sep or _CLOSE in rest:
+            raise ConfigError(f"{where}: the chat template changes message text (a filter on the content?), so "
+                              "the text cannot be kept apart from the template's special tokens")
+        out += [(data, True), (rest, False)] if i else [(rest, False)]
+    return out
 
 
 def _render(template: str, prompt: str) -> str:
@@ -150,6 +174,7 @@ class HFTokenizer:
 
         self.path = Path(path).expanduser()
         self.template, self.reply_prefix, self.system = template, reply_prefix, system
+        self.tools: Optional[list[dict]] = None  # the env's tools, for `{tools}` in the system message
         # the first reply's opening: a job can force a tool call (a `tool_choice` of "required")
         # and let later turns, which read the tool's result, start free
         self.first_reply_prefix = first_reply_prefix or reply_prefix
@@ -158,8 +183,11 @@ class HFTokenizer:
             raise ConfigError(f"tokenizer.path={path!r}: no tokenizer.json in that directory")
         try:
             self._tok = _HFTok.from_file(str(tj))
+            # data's encoder: special-token strings in the text stay text (a copy: the flag is per object)
+            self._plain = _HFTok.from_file(str(tj))
         except Exception as e:  # the Rust side raises a bare Exception on malformed files
             raise ConfigError(f"tokenizer.path={path!r}: cannot load {tj}: {e}") from None
+        self._plain.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         files = {name: self._read_json(name) for name in _SPECIAL_FILES}
 
@@ -256,9 +284,25 @@ class HFTokenizer:
     def chat_text(self, prompt: str) -> str:
         """The text a prompt is encoded from: template applied, then the chat format, then
         the reply prefix (so the reply continues it)."""
-        text = _render(self.template, prompt)
+        return "".join(t for t, _ in _segments(self._marked_prompt(prompt), self.path))
+
+    def use_tools(self, tools: Optional[list[dict]]) -> None:
+        """The env's tools (as its server lists them): `{tools}` in tokenizer.system becomes their list."""
+        self.tools = tools
+
+    def _system(self) -> str:
+        if "{tools}" not in self.system:
+            return self.system
+        if not self.tools:
+            raise ConfigError("tokenizer.system: has {tools}, but rollout.env lists no tools (set rollout.env to an "
+                              "env with tools, e.g. mcp, or write the tools into the message)")
+        from async_rl.data.tool_calls import describe_tools
+        return self.system.replace("{tools}", describe_tools(self.tools))
+
+    def _marked_prompt(self, prompt: str) -> str:
+        text = _render(self.template, _data(prompt))
         if self._chat_template is not None and self.system:
-            text = self._chat_template.messages([{"role": "system", "content": self.system},
+            text = self._chat_template.messages([{"role": "system", "content": self._system()},
                                                  {"role": "user", "content": text}], True)
         elif self._chat_template is not None:
             text = self._chat_template(text)
@@ -271,8 +315,8 @@ class HFTokenizer:
         if not self.system:
             return ""
         if self._chat_prefix.startswith("<|im_start|>"):
-            return f"<|im_start|>system\n{self.system}<|im_end|>\n"
-        return f"<|start_header_id|>system<|end_header_id|>\n\n{self.system}<|eot_id|>"
+            return f"<|im_start|>system\n{self._system()}<|im_end|>\n"
+        return f"<|start_header_id|>system<|end_header_id|>\n\n{self._system()}<|eot_id|>"
 
     def render_observation(self, text: str, role: str = "tool", closed: bool = True) -> list[int]:
         """The tokens that follow an assistant reply in a multi-turn episode: the end of the
@@ -285,29 +329,37 @@ class HFTokenizer:
         if self._chat_template is not None:
             user, reply = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}
             base = self._chat_template.messages([user, reply], False)
-            full = self._chat_template.messages([user, reply, {"role": role, "content": text}], True)
+            full = self._chat_template.messages([user, reply, {"role": role, "content": _data(text)}], True)
             cut = base.rfind(end)
             if not full.startswith(base) or cut < 0:
                 raise ValueError(f"{self.path}: the chat template does not render an observation after a reply "
                                  "as a continuation of that reply")
             after = base[cut + len(end):] + full[len(base):]
         elif self._has(_CHATML):
-            after = f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            after = f"\n<|im_start|>{role}\n{_data(text)}<|im_end|>\n<|im_start|>assistant\n"
         else:
-            after = f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>" \
+            after = f"<|start_header_id|>{role}<|end_header_id|>\n\n{_data(text)}<|eot_id|>" \
                     "<|start_header_id|>assistant<|end_header_id|>\n\n"
-        return self.encode(("" if closed else end) + after + self.reply_prefix)
+        return self._encode_marked(("" if closed else end) + after + self.reply_prefix)
 
     def encode(self, text: str) -> list[int]:
-        # Special-token strings in the text are matched, as apply_chat_template does.
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """Text as data: a special token's string in it is encoded as text, never as the token."""
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
+
+    def _encode_marked(self, marked: str) -> list[int]:
+        # the markup's special-token strings are matched, as apply_chat_template does; the data's are not
+        ids: list[int] = []
+        for text, data in _segments(marked, self.path):
+            if text:
+                ids += (self._plain if data else self._tok).encode(text, add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def encode_prompt(self, prompt: str) -> np.ndarray:
-        ids = self.encode(self.chat_text(prompt))
+        ids = self._encode_marked(self._marked_prompt(prompt))
         if self._add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return np.asarray(ids, dtype=np.int32)

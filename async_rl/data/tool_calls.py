@@ -3,7 +3,8 @@
 Owns: parsing the Qwen/Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 (several per reply possible), where a malformed call is a `CallError` value, never an exception
 (an env turns it into an error observation the policy learns from); rendering results as chat
-`tool` messages, and as raw text for a policy without a chat template. Does not own: running
+`tool` messages, and as raw text for a policy without a chat template; describing an env's tools
+in a prompt (`describe_tools`, what `{tools}` in `tokenizer.system` becomes). Does not own: running
 tools (`mcp_env`, `tool_tasks`) or a chat template's own rendering of messages (`tokenizer`).
 """
 
@@ -88,6 +89,19 @@ def render_raw(results: list[str]) -> str:
     """Tool results as raw text, for a policy without a chat template: each in
     `<tool_response>` tags on lines of their own, as Qwen's template renders tool messages."""
     return "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results) + "\n"
+
+
+def describe_tools(tools: list[dict]) -> str:
+    """An env's tools (OpenAI function format, as an MCP server lists them) one line each:
+    `- name(arg: type, ...): description`."""
+    lines = []
+    for t in tools:
+        f = t.get("function", t)
+        props = (f.get("parameters") or {}).get("properties") or {}
+        args = ", ".join(f"{k}: {v.get('type', 'any') if isinstance(v, dict) else 'any'}" for k, v in props.items())
+        desc = " ".join(str(f.get("description") or "").split())
+        lines.append(f"- {f.get('name')}({args})" + (f": {desc}" if desc else ""))
+    return "\n".join(lines)
 
 
 def render_call(name: str, arguments: dict) -> str:

@@ -145,7 +145,9 @@ def _builtin(name: str, cfg):
         from async_rl.data.tool_tasks import RecallEnv
         return RecallEnv(seed=cfg.data.seed, max_turns=cfg.rollout.env_max_turns)
     from async_rl.env.mcp import MCPEnv
-    return MCPEnv(cfg.rollout.mcp_server, max_turns=cfg.rollout.env_max_turns)
+    env = MCPEnv(cfg.rollout.mcp_server, max_turns=cfg.rollout.env_max_turns)
+    env.check(cfg.rollout.env_timeout_s)  # a server that cannot be reached is refused now, not at a first call
+    return env
 
 
 BUILTIN_ENVS = ("lookup", "recall", "mcp")
@@ -176,6 +178,12 @@ def load_env(spec: str, cfg=None):
     if not callable(getattr(env, "step", None)):
         raise ConfigError(f"{what}: the env object ({type(env).__name__}) has no callable step(key, messages, state)")
     return env
+
+
+def use_env_tools(tok, env) -> None:
+    """Gives the tokenizer the env's tools (an MCP env's as its server listed them at start-up)."""
+    if env is not None and hasattr(tok, "use_tools"):
+        tok.use_tools(getattr(env, "tools", None))
 
 
 # --- running steps --------------------------------------------------------------------------

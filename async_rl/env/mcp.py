@@ -1,7 +1,7 @@
 """`rollout.env=mcp`: tools served by an MCP server, called as the policy's replies ask.
 
 Owns: the connection to the server (`rollout.mcp_server`: a streamable-HTTP URL, or a command
-started as a stdio child of this process), listing its tools, calling the ones a reply asks for
+started as a stdio child of this process), checking at start-up that it answers, listing its tools, calling the ones a reply asks for
 with the step key in the request's `_meta`, and turning results and malformed calls into
 observations. Does not own: parsing calls (`tool_calls`) or running steps off the trainer's
 threads (`envs.EnvRunner`, whose event loop this env's coroutines run on).
@@ -48,6 +48,12 @@ def _text(result) -> str:
         text = getattr(block, "text", None)
         parts.append(text if isinstance(text, str) else f"[{getattr(block, 'type', 'non-text')} content]")
     return "\n".join(parts)
+
+
+def _schemas(listed) -> list[dict]:
+    """The server's tools in the OpenAI function format a chat template's `tools` takes."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in listed]
 
 
 class MCPEnv:
@@ -98,10 +104,26 @@ class MCPEnv:
             if cancelled:
                 raise
             raise err from None
-        self.tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                        "parameters": t.input_schema}} for t in listed]
+        self.tools = _schemas(listed)
         fut.set_result({t.name for t in listed})
         return fut.result()
+
+    def check(self, timeout_s: float) -> list[dict]:
+        """Connects, lists the server's tools and disconnects, within `timeout_s`: at start-up, so a
+        server that cannot be reached is refused before the run starts (a policy that never calls a
+        tool would otherwise never reach it). ConfigError in one line naming the server."""
+        async def probe():
+            async with self._new_client() as client:
+                return await client.list_tools()
+
+        try:
+            listed = asyncio.run(asyncio.wait_for(probe(), timeout_s))
+        except Exception as e:  # noqa: BLE001 - whatever stops the connection is the server's setting's fault
+            why = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            raise ConfigError(" ".join(f"rollout.mcp_server={self.server!r}: cannot connect and list its tools "
+                                       f"({why}); start the server or fix the URL or command".split())) from None
+        self.tools = _schemas(listed)
+        return self.tools
 
     async def list_tools(self) -> list[dict]:
         await self._connect()

@@ -24,7 +24,7 @@ from async_rl.config import Config, ConfigError
 from async_rl.data import dataset as data_mod
 from async_rl.data import rewards
 from async_rl.data.tokenizer import build_tokenizer
-from async_rl.env.interface import load_env
+from async_rl.env.interface import load_env, use_env_tools
 from async_rl.learner.step import Learner
 from async_rl.model import sharding
 from async_rl.plan import memory
@@ -142,13 +142,14 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                           f"({pps * G}) must divide evenly over the {shards} data-parallel shards")
     memory.check_host(cfg, pc)  # sizes the host could never hold, before anything is read
     tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
+    env = load_env(cfg.rollout.env, cfg)  # made once per process; a bad one is refused before anything is read
+    use_env_tools(tok, env)  # before any prompt is encoded: `{tools}` in the system message lists them
     pd = data_mod.build_dataset(cfg, tok, process_index=pi, process_count=pc)
     for line, reason in pd.bad_records[:20]:
         log(f"data: skipped bad record at {line}: {reason}")
     if pd.bad_records:
         log(f"data: skipped {len(pd.bad_records)} bad records (data.on_bad_record=skip)")
     _, reward_fn = rewards.reward_for_config(cfg)
-    env = load_env(cfg.rollout.env, cfg)  # made once per process; a bad one is refused before anything is read
     vocab = cfg.model.vocab_size or tok.vocab_size
     if vocab < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")

@@ -166,10 +166,11 @@ def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, 
     _, reward_fn = rewards.reward_for_config(cfg)
     episodes = None
     if cfg.rollout.env:
-        from async_rl.env.interface import load_env
+        from async_rl.env.interface import load_env, use_env_tools
         from async_rl.rollout.episode import Episodes
         from async_rl.store import rundir
         env = env if env is not None else load_env(cfg.rollout.env, cfg)
+        use_env_tools(tok, env)
         episodes = (Episodes(run=f"{rundir.run_identity(run_dir, create=not read_only)}/eval", tokenizer=tok, max_turns=env.max_turns,
                              max_new_tokens=cfg.rollout.max_new_tokens, turn_max_tokens=cfg.rollout.turn_max_tokens,
                              reward_max_abs=cfg.rollout.reward_max_abs),

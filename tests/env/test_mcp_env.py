@@ -231,3 +231,60 @@ def test_mcp_needs_a_server_and_a_bad_command_is_one_line():
     finally:
         runner.close(timeout_s=5)
     assert isinstance(r, EnvError) and "\n" not in str(r) and "/nonexistent/mcp-server" in str(r)
+
+
+@pytest.mark.parametrize("kind", ["nothing listens", "no such command"])
+def test_a_server_that_cannot_be_reached_is_refused_at_start_up(tmp_path, capsys, kind):
+    """A run whose policy never calls a tool would otherwise finish without ever reaching it."""
+    from helpers import FAST
+
+    from async_rl.run.cli import main
+    server = f"http://127.0.0.1:{free_port()}/mcp" if kind == "nothing listens" else "/nonexistent/mcp-server --flag"
+    t0 = time.monotonic()
+    code = main(["train", "--config", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}", *FAST,
+                 "rollout.env=mcp", f"rollout.mcp_server={server}", "rollout.env_timeout_s=20"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"error: rollout.mcp_server={server!r}: cannot connect and list its tools (")
+    assert time.monotonic() - t0 < 60
+
+
+def test_start_up_lists_the_tools_the_server_serves(server):
+    spec, _ = server
+    cfg = C.load(None, [*MODEL, "rollout.env=mcp", f"rollout.mcp_server={spec}"])
+    env = load_env(cfg.rollout.env, cfg)
+    assert sorted(t["function"]["name"] for t in env.tools) == ["add", "broken", "lookup", "sleepy"]
+
+
+def test_the_system_message_lists_the_tools_the_server_serves(tmp_path):
+    """`{tools}` in tokenizer.system becomes the server's own list: a tool it adds shows."""
+    pytest.importorskip("jinja2")
+    from test_tokenizer import CHATML, make_hf_dir
+
+    from async_rl.data.tokenizer import HFTokenizer
+    from async_rl.env.interface import use_env_tools
+    script, tok_dir = tmp_path / "tools_server.py", tmp_path / "tok"
+    script.write_text(SERVER)
+    tok_dir.mkdir()
+    d = make_hf_dir(tok_dir, CHATML, {"tokenizer_config.json": {"eos_token": "<|im_end|>"}})
+    tok = HFTokenizer(str(d), chat=True, system="Tools:\n{tools}\nCall one.")
+    with pytest.raises(C.ConfigError, match=r"tokenizer.system: has \{tools\}, but rollout.env lists no tools"):
+        tok.chat_text("q")
+    cfg = C.load(None, [*MODEL, "rollout.env=mcp", f"rollout.mcp_server={sys.executable} {script} {tmp_path / 'c'}"])
+    use_env_tools(tok, load_env(cfg.rollout.env, cfg))
+    assert tok.chat_text("q").startswith(
+        "<|im_start|>system\nTools:\n- lookup(key: string): The value stored under key.\n"
+        "- add(a: integer, b: integer): a + b\n- sleepy(seconds: number): Answers after `seconds`.\n"
+        "- broken(): Always fails.\nCall one.<|im_end|>\n")
+
+
+def test_the_calculator_job_lists_its_tools_from_the_server():
+    import yaml
+
+    system = yaml.safe_load(open("configs/smollm2-calculator.yaml"))["tokenizer"]["system"]
+    assert "{tools}" in system
+    cfg = C.load(None, [*MODEL, "rollout.env=mcp", "rollout.mcp_server=python -m async_rl.env.calculator"])
+    from async_rl.data.tool_calls import describe_tools
+    assert describe_tools(load_env(cfg.rollout.env, cfg).tools) == (
+        '- calculate(expression: string): Evaluate an arithmetic expression, e.g. "23 * 47" or "(120 - 45) / 3".')
