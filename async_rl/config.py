@@ -56,6 +56,7 @@ class RunConfig:
     dir: str = ""  # run directory: config.yaml, logs, lineage, checkpoints; required to train
     seed: int = 0  # seeds parameter init and the per-token sampling keys
     resume: str = "auto"  # auto | never | must | restart: as auto, but history without a checkpoint moves to previous/
+    env_changed: str = "refuse"  # refuse | accept: resume when rollout.env's or rollout.reward's code changed
     reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
     determinism: bool = False  # bit-identical resume (in_order sampler only)
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
@@ -65,6 +66,7 @@ class RunConfig:
 
     def __post_init__(self):
         _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
+        _one_of("run.env_changed", self.env_changed, ("refuse", "accept"))
         _check(self.lease_s >= 1, "run.lease_s", self.lease_s, "must be >= 1 (seconds; renewed every third of it)")
         _check(self.storage_timeout_s >= 5, "run.storage_timeout_s", self.storage_timeout_s, "must be >= 5 (seconds)")
 
@@ -263,6 +265,10 @@ class RolloutConfig:
     env_timeout_s: float = 60.0  # one env step running longer fails the run, seconds
     turn_max_tokens: int = 0  # multi-turn: tokens per assistant turn; 0 = what the episode has left
     mcp_server: str = ""  # rollout.env=mcp: streamable-HTTP URL (http://...) or stdio command of the server
+    env_state_max_depth: int = 32  # an env step's state nested deeper (dicts and lists) fails the run, levels
+    env_state_max_bytes: int = 1_000_000  # an env step's state larger as JSON fails the run, bytes
+    max_observation_chars: int = 16_384  # an observation's text beyond this is cut and marked, characters
+    max_observation_tokens: int = 2048  # an observation's tokens beyond this are cut (its text shortened), tokens
 
     def __post_init__(self):
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
@@ -273,6 +279,12 @@ class RolloutConfig:
         _check(self.env_max_concurrent > 0, "rollout.env_max_concurrent", self.env_max_concurrent, "must be > 0")
         _check(self.env_timeout_s > 0, "rollout.env_timeout_s", self.env_timeout_s, "must be > 0")
         _check(self.turn_max_tokens >= 0, "rollout.turn_max_tokens", self.turn_max_tokens, "must be >= 0")
+        _check(self.env_state_max_depth >= 1, "rollout.env_state_max_depth", self.env_state_max_depth, "must be >= 1")
+        _check(self.env_state_max_bytes >= 2, "rollout.env_state_max_bytes", self.env_state_max_bytes, "must be >= 2")
+        _check(self.max_observation_chars >= 64, "rollout.max_observation_chars", self.max_observation_chars,
+               "must be >= 64 (room for the truncation mark)")
+        _check(self.max_observation_tokens >= 64, "rollout.max_observation_tokens", self.max_observation_tokens,
+               "must be >= 64 (room for the truncation mark)")
         if self.env == "mcp":
             _check(bool(self.mcp_server.strip()), "rollout.mcp_server", self.mcp_server,
                    "required for rollout.env=mcp (an http:// URL or a command)")

@@ -81,7 +81,7 @@ def test_turn_budget_and_unencodable_observations():
     assert ep.budget(s) == 4  # a new turn
     s.tokens.append(TOK.encode("5")[0])
     assert ep.budget(s) == 3
-    with pytest.raises(EnvError, match="cannot encode.*prompt_id=7 turn=1"):
+    with pytest.raises(EnvError, match="cannot encode.*prompt_id=7 sample=0 turn=1"):
         ep.apply(s, ep.key(g, 0, s).__class__("r1", 7, 0, 0, 1), StepResult("x!", False, {}))
 
 
