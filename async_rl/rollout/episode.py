@@ -47,6 +47,11 @@ class Episodes:
         self.max_chars, self.max_tokens = max_observation_chars, max_observation_tokens
         self._chat = getattr(tokenizer, "render_observation", None)  # HF tokenizers (chat format or raw)
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
+        try:  # a vocabulary without the mark's letters (the char tokenizer) gets the cut alone
+            tokenizer.encode(CUT_MARK.format(1))
+            self._mark = CUT_MARK
+        except Exception:  # noqa: BLE001 - any tokenizer's refusal means the same
+            self._mark = ""
 
     @classmethod
     def of(cls, r, **kw) -> "Episodes":
@@ -103,11 +108,11 @@ class Episodes:
         text beyond max_observation_chars is cut and marked; then, while its tokens are more
         than max_observation_tokens, the text is shortened in proportion and marked (a few encodes)."""
         def cut(keep: int) -> str:
-            return raw if keep >= len(raw) else raw[:keep] + CUT_MARK.format(len(raw) - keep)
+            return raw if keep >= len(raw) else raw[:keep] + self._mark.format(len(raw) - keep)
 
         keep = len(raw)
         if keep > self.max_chars:
-            keep = max(0, self.max_chars - len(CUT_MARK.format(keep)))
+            keep = max(0, self.max_chars - len(self._mark.format(keep)))
         text = cut(keep)
         if not encode:
             return text, [], len(raw) - keep
