@@ -108,7 +108,6 @@ class DataConfig:
                f"must be >= data.min_digits ({self.min_digits})")
         _one_of("data.on_bad_record", self.on_bad_record, ("error", "skip"))
 
-
 @dataclass(frozen=True)
 class TokenizerConfig:
     kind: str = "auto"  # auto: hf if path is set, else char (synthetic) or byte | hf | byte | char
@@ -125,10 +124,8 @@ class TokenizerConfig:
                "needs tokenizer.chat=true (a system message is a chat turn)")
         _check("{prompt}" in self.template, "tokenizer.template", self.template, "must contain {prompt}")
 
-
 # Architecture fields without a default: model.hf_path's config.json or the YAML must give them.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -217,7 +214,6 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
-
 @dataclass(frozen=True)
 class EngineConfig:
     max_concurrent_decodes: int = 64  # KV-cache slots decoded together (continuous batching)
@@ -249,7 +245,6 @@ class EngineConfig:
         _check(self.vllm_cpu_kv_cache_gib >= 1, "engine.vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib,
                "must be >= 1")
 
-
 @dataclass(frozen=True)
 class RolloutConfig:
     prompts_per_step: int = 32  # groups (prompts) trained per learner step
@@ -279,16 +274,12 @@ class RolloutConfig:
         _check(self.env_max_concurrent > 0, "rollout.env_max_concurrent", self.env_max_concurrent, "must be > 0")
         _check(self.env_timeout_s > 0, "rollout.env_timeout_s", self.env_timeout_s, "must be > 0")
         _check(self.turn_max_tokens >= 0, "rollout.turn_max_tokens", self.turn_max_tokens, "must be >= 0")
-        _check(self.env_state_max_depth >= 1, "rollout.env_state_max_depth", self.env_state_max_depth, "must be >= 1")
-        _check(self.env_state_max_bytes >= 2, "rollout.env_state_max_bytes", self.env_state_max_bytes, "must be >= 2")
-        _check(self.max_observation_chars >= 64, "rollout.max_observation_chars", self.max_observation_chars,
-               "must be >= 64 (room for the truncation mark)")
-        _check(self.max_observation_tokens >= 64, "rollout.max_observation_tokens", self.max_observation_tokens,
-               "must be >= 64 (room for the truncation mark)")
+        for k, least in (("env_state_max_depth", 1), ("env_state_max_bytes", 2), ("max_observation_chars", 64),
+                         ("max_observation_tokens", 64)):  # 64: room for an observation's truncation mark
+            _check(getattr(self, k) >= least, f"rollout.{k}", getattr(self, k), f"must be >= {least}")
         if self.env == "mcp":
             _check(bool(self.mcp_server.strip()), "rollout.mcp_server", self.mcp_server,
                    "required for rollout.env=mcp (an http:// URL or a command)")
-
 
 @dataclass(frozen=True)
 class SamplerConfig:
@@ -305,9 +296,7 @@ class SamplerConfig:
         _check(self.max_buffered_groups >= 0, "sampler.max_buffered_groups",
                self.max_buffered_groups, "must be >= 0")
 
-
 LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}  # learner.lora_targets' groups
-
 
 @dataclass(frozen=True)
 class LearnerConfig:

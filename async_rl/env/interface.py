@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from async_rl.config import ConfigError, load_callable
 from async_rl.data.rewards import as_real
+from async_rl.env.guards import StateLimits, state_depth
 from async_rl.errors import RunFailure
 
 ROLES = ("tool", "user")
@@ -67,33 +68,6 @@ class StepKey:
 
     def where(self) -> str:
         return f"prompt_id={self.prompt_id} sample={self.sample} turn={self.turn} (key {self})"
-
-
-@dataclass(frozen=True)
-class StateLimits:
-    """How big an env step's state may be: it is kept in the ledger, every checkpoint and the
-    journal, and read back at every resume (`rollout.env_state_max_depth`, `..._max_bytes`)."""
-    max_depth: int = 32  # nesting levels of dicts and lists
-    max_bytes: int = 1_000_000  # its JSON text, UTF-8 bytes
-
-
-def state_limits(rollout_cfg) -> StateLimits:
-    return StateLimits(rollout_cfg.env_state_max_depth, rollout_cfg.env_state_max_bytes)
-
-
-def state_depth(state: Any, limit: int) -> int:
-    """Nesting levels of dicts, lists and tuples in `state`, counted breadth-first (no recursion:
-    a state nested a thousand levels deep must be measured, not crash the measuring), stopping
-    at `limit` + 1 (a state that holds itself is as deep as that)."""
-    depth, level = 0, [state]
-    while level and depth <= limit:
-        depth += 1
-        nxt = []
-        for v in level:
-            children = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ()
-            nxt.extend(c for c in children if isinstance(c, (dict, list, tuple)))
-        level = nxt
-    return depth
 
 
 @dataclass(frozen=True)
@@ -213,26 +187,6 @@ def load_env(spec: str, cfg=None):
     if not callable(getattr(env, "step", None)):
         raise ConfigError(f"{what}: the env object ({type(env).__name__}) has no callable step(key, messages, state)")
     return env
-
-
-def traceback_keeper(run_dir):
-    """`EnvRunner`'s keep_traceback for a run: writes a failed step's traceback to its file in
-    `run_dir` (`runfiles.env_error`) and returns that path. A symlink where the file or its
-    folder would be is refused (nothing is written through it)."""
-    from pathlib import Path
-
-    from async_rl.store import runfiles, storage
-
-    def keep(key: StepKey, text: str):
-        p = runfiles.env_error(run_dir, str(key))
-        if not storage.is_remote(p):
-            for q in (p.parent, p):
-                if Path(q).is_symlink():
-                    raise OSError(f"{q} is a symlink (remove it; the run writes nothing through links)")
-        storage.mkdirs(p.parent)
-        storage.write_atomic(p, f"env step {key}\n{text}")
-        return p
-    return keep
 
 
 # --- running steps --------------------------------------------------------------------------

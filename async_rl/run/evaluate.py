@@ -126,7 +126,8 @@ class Evaluator:
         return scores, np.array([[len(c.tokens) for c in per] for per in comps])
 
     def _score_episodes(self, params, ordinals, step: int) -> tuple[np.ndarray, np.ndarray]:
-        from async_rl.env.interface import EnvRunner, state_limits
+        from async_rl.env.guards import state_limits
+        from async_rl.env.interface import EnvRunner
         from async_rl.rollout.decoding import rollout_for
         from async_rl.rollout.episode import EpisodeRequests
         eps, env = self.episodes

@@ -134,7 +134,8 @@ class Session:
         """Multi-turn episodes (rollout.env): their rules and the env's runner; (None, None) without."""
         if parts.env is None:
             return None, None
-        from async_rl.env.interface import EnvRunner, state_limits, traceback_keeper
+        from async_rl.env.guards import state_limits, traceback_keeper
+        from async_rl.env.interface import EnvRunner
         from async_rl.rollout.episode import Episodes
         episodes = Episodes.of(cfg.rollout, run=rundir.run_identity(parts.run_dir), tokenizer=parts.tok,
                                max_turns=parts.env.max_turns)

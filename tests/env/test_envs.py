@@ -9,7 +9,8 @@ from helpers import MODEL, wait_until
 from async_rl import config as C
 from async_rl.config import ConfigError
 from async_rl.data.tool_tasks import LookupEnv
-from async_rl.env.interface import EnvError, EnvRunner, StateLimits, StepKey, StepResult, load_env, state_limits, traceback_keeper
+from async_rl.env.guards import StateLimits, state_limits, traceback_keeper
+from async_rl.env.interface import EnvError, EnvRunner, StepKey, StepResult, load_env
 from async_rl.store import runfiles
 
 KEY = StepKey("run-abc", 17, 2, 3, 1)

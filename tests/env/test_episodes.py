@@ -195,6 +195,17 @@ def test_a_bad_env_step_fails_the_run_with_one_line_and_a_resume_continues(tmp_p
         assert kept.parent == run / runfiles.ENV_ERRORS and kept.is_file(), last
         assert 'raise ConnectionError("the tool' in kept.read_text() and "bad_env.py" in kept.read_text()
     monkeypatch.delenv("ASYNC_RL_TEST_BAD")
+    if bad == "raise":  # the env's code changed since the kill: refused, run.dir untouched, unless accepted
+        monkeypatch.setenv("ASYNC_RL_TEST_ENV_VERSION", "2")
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        r = run_cli(run, *args, cache=xla_cache, timeout=300)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "rollout.env=bad_env:make: version '1' -> '2'" in last, r.stderr[-3000:]
+        assert "run.env_changed=accept" in last and "Traceback" not in r.stderr
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+        args.append("run.env_changed=accept")
     r = run_cli(run, *args, cache=xla_cache, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert audit(run)["ok"] and sorted(x["prompt_id"] for x in lineage(run)) == list(range(16))
+    if bad == "raise":
+        assert json.loads((run / runfiles.ENV_IDENTITY).read_text())["rollout.env"]["version"] == "2"
