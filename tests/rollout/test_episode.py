@@ -178,3 +178,10 @@ def test_the_cut_is_marked_where_the_vocabulary_can_spell_it():
     assert 0 < a.tokens <= 200 and a.tokens == len(obs.encode())
     assert Episodes.of(C.RolloutConfig(max_observation_chars=123, max_observation_tokens=77), run="r", tokenizer=TOK,
                        max_turns=2).max_chars == 123
+
+
+def test_cut_observations_are_counted_in_the_step_metrics():
+    from async_rl.obs.metrics import Rates
+    from async_rl.rollout.pump import PumpStats
+    row = Rates().take(PumpStats(env_submitted=5, env_steps=4, env_cut=2), None)
+    assert (row["rollout/env_steps"], row["rollout/env_observations_cut"]) == (4, 2)
