@@ -56,6 +56,7 @@ class RunConfig:
     dir: str = ""  # run directory: config.yaml, logs, lineage, checkpoints; required to train
     seed: int = 0  # seeds parameter init and the per-token sampling keys
     resume: str = "auto"  # auto | never | must | restart: as auto, but history without a checkpoint moves to previous/
+    env_changed: str = "refuse"  # refuse | accept: resume when rollout.env's or rollout.reward's code changed
     reset_optimizer: bool = False  # resume with restored params and a fresh optimizer when its structure changed
     determinism: bool = False  # bit-identical resume (in_order sampler only)
     compilation_cache: str = "~/.cache/async_rl/xla"  # persistent XLA cache dir; "" disables
@@ -66,6 +67,7 @@ class RunConfig:
 
     def __post_init__(self):
         _one_of("run.resume", self.resume, ("auto", "never", "must", "restart"))
+        _one_of("run.env_changed", self.env_changed, ("refuse", "accept"))
         _check(self.lease_s >= 1, "run.lease_s", self.lease_s, "must be >= 1 (seconds; renewed every third of it)")
         _check(self.storage_timeout_s >= 5, "run.storage_timeout_s", self.storage_timeout_s, "must be >= 5 (seconds)")
         _check(self.compilation_cache_max_gb >= 0, "run.compilation_cache_max_gb", self.compilation_cache_max_gb,
@@ -109,7 +111,6 @@ class DataConfig:
                f"must be >= data.min_digits ({self.min_digits})")
         _one_of("data.on_bad_record", self.on_bad_record, ("error", "skip"))
 
-
 @dataclass(frozen=True)
 class TokenizerConfig:
     kind: str = "auto"  # auto: hf if path is set, else char (synthetic) or byte | hf | byte | char
@@ -126,10 +127,8 @@ class TokenizerConfig:
                "needs tokenizer.chat=true (a system message is a chat turn)")
         _check("{prompt}" in self.template, "tokenizer.template", self.template, "must contain {prompt}")
 
-
 # Architecture fields without a default: model.hf_path's config.json or the YAML must give them.
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -218,7 +217,6 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
-
 @dataclass(frozen=True)
 class EngineConfig:
     max_concurrent_decodes: int = 64  # KV-cache slots decoded together (continuous batching)
@@ -250,7 +248,6 @@ class EngineConfig:
         _check(self.vllm_cpu_kv_cache_gib >= 1, "engine.vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib,
                "must be >= 1")
 
-
 @dataclass(frozen=True)
 class RolloutConfig:
     prompts_per_step: int = 32  # groups (prompts) trained per learner step
@@ -267,6 +264,10 @@ class RolloutConfig:
     env_timeout_s: float = 60.0  # one env step running longer fails the run, seconds
     turn_max_tokens: int = 0  # multi-turn: tokens per assistant turn; 0 = what the episode has left
     mcp_server: str = ""  # rollout.env=mcp: streamable-HTTP URL (http://...) or stdio command of the server
+    env_state_max_depth: int = 32  # an env step's state nested deeper (dicts and lists) fails the run, levels
+    env_state_max_bytes: int = 1_000_000  # an env step's state larger as JSON fails the run, bytes
+    max_observation_chars: int = 16_384  # an observation's text beyond this is cut and marked, characters
+    max_observation_tokens: int = 2048  # an observation's tokens beyond this are cut (its text shortened), tokens
 
     def __post_init__(self):
         _check(self.prompts_per_step > 0, "rollout.prompts_per_step", self.prompts_per_step, "must be > 0")
@@ -279,10 +280,12 @@ class RolloutConfig:
         _check(self.env_max_concurrent > 0, "rollout.env_max_concurrent", self.env_max_concurrent, "must be > 0")
         _check(self.env_timeout_s > 0, "rollout.env_timeout_s", self.env_timeout_s, "must be > 0")
         _check(self.turn_max_tokens >= 0, "rollout.turn_max_tokens", self.turn_max_tokens, "must be >= 0")
+        for k, least in (("env_state_max_depth", 1), ("env_state_max_bytes", 2), ("max_observation_chars", 64),
+                         ("max_observation_tokens", 64)):  # 64: room for an observation's truncation mark
+            _check(getattr(self, k) >= least, f"rollout.{k}", getattr(self, k), f"must be >= {least}")
         if self.env == "mcp":
             _check(bool(self.mcp_server.strip()), "rollout.mcp_server", self.mcp_server,
                    "required for rollout.env=mcp (an http:// URL or a command)")
-
 
 @dataclass(frozen=True)
 class SamplerConfig:
@@ -299,9 +302,7 @@ class SamplerConfig:
         _check(self.max_buffered_groups >= 0, "sampler.max_buffered_groups",
                self.max_buffered_groups, "must be >= 0")
 
-
 LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}  # learner.lora_targets' groups
-
 
 @dataclass(frozen=True)
 class LearnerConfig:

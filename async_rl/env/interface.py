@@ -25,11 +25,13 @@ import math
 import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from async_rl.config import ConfigError, load_callable
 from async_rl.data.rewards import as_real
+from async_rl.env.guards import StateLimits, state_depth
 from async_rl.errors import RunFailure
 
 ROLES = ("tool", "user")
@@ -65,7 +67,7 @@ class StepKey:
             raise ValueError(f"not an env step key: {text!r} (want run/prompt_id/epoch/sample/turn)") from None
 
     def where(self) -> str:
-        return f"prompt_id={self.prompt_id} turn={self.turn} (key {self})"
+        return f"prompt_id={self.prompt_id} sample={self.sample} turn={self.turn} (key {self})"
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class StepResult:
     role: str = "tool"  # the observation's chat role: tool | user
 
     @classmethod
-    def check(cls, raw: Any, key: StepKey) -> "StepResult":
+    def check(cls, raw: Any, key: StepKey, limits: StateLimits = StateLimits()) -> "StepResult":
         """`raw` (what env.step returned) as a StepResult, or an EnvError saying what is wrong."""
         def bad(why: str) -> EnvError:
             return EnvError(_one_line(f"env step returned {why} on {key.where()}"))
@@ -103,12 +105,21 @@ class StepResult:
             raise bad("observation None while not done (an episode goes on only with an observation)")
         if not isinstance(state, dict):
             raise bad(f"state of type {type(state).__name__} (must be a dict)")
+        depth = state_depth(state, limits.max_depth)
+        if depth > limits.max_depth:
+            raise bad(f"a state nested more than {limits.max_depth} levels deep "
+                      f"(limit rollout.env_state_max_depth={limits.max_depth}; keep the state flat or raise the limit)")
         try:
             # the state is saved and restored as JSON: it must come back equal, or a resumed
             # episode would continue with another state than the one it had
-            same = json.loads(json.dumps(state, allow_nan=False)) == state
+            text = json.dumps(state, allow_nan=False)
+            same = json.loads(text) == state
         except (TypeError, ValueError) as e:
             raise bad(f"a state that is not JSON ({e})") from None
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limits.max_bytes:
+            raise bad(f"a state of {size} bytes as JSON (limit rollout.env_state_max_bytes={limits.max_bytes}; "
+                      "keep large data out of the state or raise the limit)")
         if not same:
             raise bad("a state that does not survive a JSON round trip unchanged (tuples, non-str keys?)")
         reward = raw.get("reward")
@@ -203,11 +214,15 @@ class EnvRunner:
     bounded by `timeout_s` from the moment it starts running. `submit` returns at once; `poll`
     returns the steps finished since the last poll, each with its StepResult or its EnvError."""
 
-    def __init__(self, env, *, max_concurrent: int, timeout_s: float, name: str = "env", on_done=None):
+    def __init__(self, env, *, max_concurrent: int, timeout_s: float, name: str = "env", on_done=None,
+                 limits: StateLimits = StateLimits(), keep_traceback=None):
         if max_concurrent < 1 or not timeout_s > 0:
             raise ValueError(f"max_concurrent={max_concurrent} must be >= 1 and timeout_s={timeout_s} > 0")
         self.env, self.max_concurrent, self.timeout_s, self.name = env, max_concurrent, timeout_s, name
         self.on_done = on_done  # called (no arguments, outside the runner's lock) when a step finishes
+        self.limits = limits
+        # keep_traceback(key, text) -> where it was written (named in the step's one-line error)
+        self.keep_traceback = keep_traceback
         self.is_async = inspect.iscoroutinefunction(env.step)
         self._lock = threading.Lock()
         self._done: list[tuple[StepHandle, StepResult | EnvError]] = []
@@ -302,20 +317,39 @@ class EnvRunner:
         self._done.append((h, result))
 
     def _outcome(self, h: StepHandle, call):
+        """The step's StepResult or EnvError; never raises (a result that breaks the checks
+        themselves must still reach the caller as this step's failure, not kill a thread)."""
         try:
             raw = call()
         except Exception as e:
-            return EnvError(_one_line(f"env step raised {type(e).__name__}: {e} on {h.key.where()}"))
+            return EnvError(_one_line(f"env step raised {type(e).__name__}: {e} on {h.key.where()}")
+                            + self._traceback_note(h.key, e))
         try:
-            return StepResult.check(raw, h.key)
+            return StepResult.check(raw, h.key, self.limits)
         except EnvError as e:
             return e
+        except Exception as e:  # noqa: BLE001 - e.g. RecursionError from a state the limits did not foresee
+            return EnvError(_one_line(f"env step returned a result that could not be checked "
+                                      f"({type(e).__name__}: {e}) on {h.key.where()}"))
+
+    def _traceback_note(self, key: StepKey, e: BaseException) -> str:
+        if self.keep_traceback is None:
+            return ""
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        try:
+            return f"; traceback in {self.keep_traceback(key, text)}"
+        except Exception as w:  # noqa: BLE001 - the step's own error is what the line is about
+            return _one_line(f"; traceback not kept ({type(w).__name__}: {w})")
 
     def _worker(self) -> None:
         while (job := self._jobs.get()) is not None:
             h, messages, state = job
             h.started = time.monotonic()
-            self._finish(h, self._outcome(h, lambda: self.env.step(h.key, messages, state)))
+            try:
+                out = self._outcome(h, lambda: self.env.step(h.key, messages, state))
+            except BaseException as e:  # noqa: BLE001 - the caller must hear of it, not time out
+                out = EnvError(_one_line(f"env step failed ({type(e).__name__}: {e}) on {h.key.where()}"))
+            self._finish(h, out)
 
     def _run_loop(self, ready: threading.Event) -> None:
         self._loop = asyncio.new_event_loop()

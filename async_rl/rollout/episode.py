@@ -25,24 +25,43 @@ from async_rl.env.interface import EnvError, StepKey, StepResult
 from async_rl.rollout.interface import Start
 from async_rl.rollout.scheduler import Fill, Scheduler
 
+# what replaces the end of an observation cut to the caps (the policy reads that it was cut)
+CUT_MARK = "\n[observation truncated: {} characters cut]"
+
 
 @dataclass
 class Applied:
     """What recording one env step did to its sample."""
     ended: bool  # the episode is over (the env said done, max_turns, or no tokens left)
     tokens: int  # observation tokens appended
+    cut: int = 0  # characters cut from the observation (rollout.max_observation_chars/_tokens)
 
 
 class Episodes:
-    """The episode rules of one run: its env's max_turns, the token budgets, the tokenizer."""
+    """The episode rules of one run: its env's max_turns, the token budgets, the tokenizer, and
+    the caps on one observation (an env's text is cut to them, marked, before it is stored)."""
 
     def __init__(self, *, run: str, tokenizer, max_turns: int, max_new_tokens: int, turn_max_tokens: int = 0,
-                 reward_max_abs: float = 1e6):
+                 reward_max_abs: float = 1e6, max_observation_chars: int = 16_384,
+                 max_observation_tokens: int = 2048):
         self.run, self.tok, self.max_turns = run, tokenizer, max_turns
         self.reward_max_abs = reward_max_abs  # an env's reward beyond it fails the run before it is recorded
         self.N, self.turn_max = max_new_tokens, turn_max_tokens
+        self.max_chars, self.max_tokens = max_observation_chars, max_observation_tokens
         self._chat = getattr(tokenizer, "render_observation", None)  # HF tokenizers (chat format or raw)
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
+        try:  # a vocabulary without the mark's letters (the char tokenizer) gets the cut alone
+            tokenizer.encode(CUT_MARK.format(1))
+            self._mark = CUT_MARK
+        except Exception:  # noqa: BLE001 - any tokenizer's refusal means the same
+            self._mark = ""
+
+    @classmethod
+    def of(cls, r, **kw) -> "Episodes":
+        """The rules `rollout` config `r` sets, with run, tokenizer and max_turns in `kw`."""
+        return cls(max_new_tokens=r.max_new_tokens, turn_max_tokens=r.turn_max_tokens,
+                   max_observation_chars=r.max_observation_chars, max_observation_tokens=r.max_observation_tokens,
+                   reward_max_abs=r.reward_max_abs, **kw)
 
     def key(self, g: Group, si: int, s: Sample) -> StepKey:
         return StepKey(self.run, g.prompt_id, g.epoch, si, len(s.turns))
@@ -88,21 +107,48 @@ class Episodes:
             raise EnvError(" ".join(f"env step returned an observation the tokenizer cannot encode "
                                     f"({type(e).__name__}: {e}) on {key.where()}".split())) from None
 
+    def capped(self, raw: str, role: str, key: StepKey, closed: bool, encode: bool) -> tuple[str, list[int], int]:
+        """The observation as stored, its tokens (none unless `encode`) and the characters cut:
+        text beyond max_observation_chars is cut and marked; then, while its tokens are more
+        than max_observation_tokens, the text is shortened in proportion and marked (a few encodes)."""
+        def cut(keep: int) -> str:
+            return raw if keep >= len(raw) else raw[:keep] + self._mark.format(len(raw) - keep)
+
+        keep = len(raw)
+        if keep > self.max_chars:
+            keep = max(0, self.max_chars - len(self._mark.format(keep)))
+        text = cut(keep)
+        if not encode:
+            return text, [], len(raw) - keep
+        ids = self.observation_tokens(text, role, key, closed)
+        for _ in range(8):
+            if len(ids) <= self.max_tokens or keep == 0:
+                break
+            keep = int(keep * self.max_tokens / len(ids) * 0.9)
+            text = cut(keep)
+            ids = self.observation_tokens(text, role, key, closed)
+        return text, ids[:self.max_tokens], len(raw) - keep  # the template's markers past the cap, at worst
+
     def apply(self, s: Sample, key: StepKey, r: StepResult) -> Applied:
         """Records step `key`'s result on its sample (under the ledger lock): the observation's
         tokens appended (masked) unless the episode ends here. The episode ends when the env
-        says so, at max_turns assistant turns, or when no token would be left for a reply; an
-        observation not fed is still recorded, with n = 0."""
+        says so, at max_turns assistant turns, or when no token would be left for a reply (an
+        observation's tokens count against rollout.max_new_tokens like a reply's); an
+        observation not fed is still recorded, with n = 0. An observation is kept cut to the
+        caps (`capped`), and its turn records `cut`, the characters cut."""
         if r.reward is not None and (why := refused(r.reward, self.reward_max_abs)) is not None:
             raise EnvError(" ".join(f"env step returned reward {why} on {key.where()} sample {key.sample}; nothing "
                                     "of it was recorded: fix the env, then run the same command to resume".split()))
-        obs = r.observation or ""
+        raw = r.observation or ""
         closed = bool(s.tokens) and s.tokens[-1] in self._stops
-        ids = [] if r.done else self.observation_tokens(obs, r.role, key, closed)
+        obs, ids, cut = self.capped(raw, r.role, key, closed, encode=not r.done)
         ended = r.done or key.turn + 1 >= self.max_turns or len(s.tokens) + len(ids) >= self.N
         if ended:
             ids = []
-        s.turns.append({"key": str(key), "observation": obs, "role": r.role, "at": len(s.tokens), "n": len(ids)})
+        turn = {"key": str(key), "observation": obs, "role": r.role, "at": len(s.tokens), "n": len(ids)}
+        if cut:
+            turn["cut"] = cut
+        s.turns.append(turn)
         s.tokens.extend(ids)
         s.logprobs.extend([0.0] * len(ids))
         s.versions.extend([OBSERVATION] * len(ids))
@@ -110,7 +156,7 @@ class Episodes:
         if r.reward is not None:
             s.env_reward = r.reward
         s.awaiting = False
-        return Applied(ended, len(ids))
+        return Applied(ended, len(ids), cut)
 
 
 @dataclass(eq=False)

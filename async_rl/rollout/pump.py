@@ -39,6 +39,7 @@ class PumpStats(SlotStats):  # busy_s and calls: the scheduler's
     swap_s: float = 0.0  # time loading published weights into the rollout backend
     env_steps: int = 0  # env steps recorded (multi-turn episodes)
     env_submitted: int = 0  # env steps requested
+    env_cut: int = 0  # observations cut to rollout.max_observation_chars/_tokens
 
 
 class Pump:
@@ -305,6 +306,7 @@ class Pump:
             s.in_env = False
             applied = self.episodes.apply(s, h.key, res)
             self.stats.env_steps += 1
+            self.stats.env_cut += applied.cut > 0
             if applied.ended:
                 s.done = True
                 finished.append((g, s))

@@ -24,6 +24,7 @@ from async_rl.config import Config, ConfigError
 from async_rl.data import dataset as data_mod
 from async_rl.data import rewards
 from async_rl.data.tokenizer import build_tokenizer
+from async_rl.env import identity
 from async_rl.env.interface import load_env, use_env_tools
 from async_rl.learner.step import Learner
 from async_rl.model import sharding
@@ -170,6 +171,16 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
 
 
 def choose_start(parts: Parts, log) -> Start:
+    """Where the run starts; refused (nothing in run.dir changed, the lock not yet taken) where
+    the run's env or reward code changed since it recorded them (`env.identity`)."""
+    start = _choose_start(parts, log)
+    if not start.restart:
+        code = identity.identity(parts.cfg, parts.env, parts.reward_fn)
+        identity.check(parts.run_dir, code, parts.cfg.run.env_changed, log)
+    return start
+
+
+def _choose_start(parts: Parts, log) -> Start:
     cfg, run_dir, ckpt = parts.cfg, parts.run_dir, parts.ckpt
     steps = ckpt.steps()
     if cfg.run.resume == "never" and (steps or rundir.history(run_dir)):
@@ -228,6 +239,7 @@ def resumed(parts: Parts, restored: Restored, damaged: list[DamagedStep], log) -
 
 def take(parts: Parts, start: Start, log) -> None:
     cfg, run_dir, primary = parts.cfg, parts.run_dir, jax.process_index() == 0
+    code = identity.identity(cfg, parts.env, parts.reward_fn)
     if start.restart and primary:
         dest = rundir.archive_history(run_dir)
         log(f"run.resume=restart: moved the previous history of {run_dir} to {dest}; starting over")
@@ -248,6 +260,7 @@ def take(parts: Parts, start: Start, log) -> None:
         if cut:
             log(f"cut {cut} bytes of the logs of processes this run no longer has (written after its checkpoint)")
         rundir.write_if_changed(run_dir / runfiles.CONFIG, C.to_yaml(cfg))
+        rundir.write_if_changed(run_dir / runfiles.ENV_IDENTITY, identity.text(code))
         rundir.write_if_changed(run_dir / runfiles.DATA, json.dumps({
             "prompt_ids": [int(i) for i in parts.pd.prompt_ids], "num_epochs": cfg.data.num_epochs,
             "records_per_epoch": int(parts.pd.records_per_epoch), "bad_records": len(parts.pd.bad_records)}))

@@ -126,12 +126,14 @@ class Evaluator:
         return scores, np.array([[len(c.tokens) for c in per] for per in comps])
 
     def _score_episodes(self, params, ordinals, step: int) -> tuple[np.ndarray, np.ndarray]:
+        from async_rl.env.guards import state_limits
         from async_rl.env.interface import EnvRunner
         from async_rl.rollout.decoding import rollout_for
         from async_rl.rollout.episode import EpisodeRequests
         eps, env = self.episodes
         r = self.cfg.rollout
-        runner = EnvRunner(env, max_concurrent=r.env_max_concurrent, timeout_s=r.env_timeout_s, name="eval-env")
+        runner = EnvRunner(env, max_concurrent=r.env_max_concurrent, timeout_s=r.env_timeout_s, name="eval-env",
+                           limits=state_limits(r))
         try:
             out = EpisodeRequests(self.set.prompts, self.set.texts, self.set.prompt_ids, samples=self.k,
                                   ordinals=ordinals, episodes=eps, runner=runner,
@@ -171,10 +173,8 @@ def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, 
         from async_rl.store import rundir
         env = env if env is not None else load_env(cfg.rollout.env, cfg)
         use_env_tools(tok, env)
-        episodes = (Episodes(run=f"{rundir.run_identity(run_dir, create=not read_only)}/eval", tokenizer=tok, max_turns=env.max_turns,
-                             max_new_tokens=cfg.rollout.max_new_tokens, turn_max_tokens=cfg.rollout.turn_max_tokens,
-                             reward_max_abs=cfg.rollout.reward_max_abs),
-                    env)
+        episodes = (Episodes.of(cfg.rollout, run=f"{rundir.run_identity(run_dir, create=not read_only)}/eval",
+                                tokenizer=tok, max_turns=env.max_turns), env)
     return Evaluator(cfg, graphdef, vocab_size, tok, reward_fn, devices=devices, rollout=rollout, eval_set=eval_set,
                      episodes=episodes)
 

@@ -136,17 +136,18 @@ class Session:
         """Multi-turn episodes (rollout.env): their rules and the env's runner; (None, None) without."""
         if parts.env is None:
             return None, None
+        from async_rl.env.guards import state_limits, traceback_keeper
         from async_rl.env.interface import EnvRunner
         from async_rl.rollout.episode import Episodes
-        episodes = Episodes(run=rundir.run_identity(parts.run_dir), tokenizer=parts.tok,
-                            max_turns=parts.env.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
-                            turn_max_tokens=cfg.rollout.turn_max_tokens, reward_max_abs=cfg.rollout.reward_max_abs)
+        episodes = Episodes.of(cfg.rollout, run=rundir.run_identity(parts.run_dir), tokenizer=parts.tok,
+                               max_turns=parts.env.max_turns)
 
         def wake():
             with self.ledger.changed:
                 self.ledger.changed.notify_all()
         runner = EnvRunner(parts.env, max_concurrent=cfg.rollout.env_max_concurrent,
-                           timeout_s=cfg.rollout.env_timeout_s, on_done=wake)
+                           timeout_s=cfg.rollout.env_timeout_s, on_done=wake,
+                           limits=state_limits(cfg.rollout), keep_traceback=traceback_keeper(parts.run_dir))
         return episodes, runner
 
     def _on_filtered(self, groups, s):  # sampler, main thread, under the ledger lock

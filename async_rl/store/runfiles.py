@@ -33,6 +33,8 @@ MARKER = ".checkpointed"  # a checkpoint of the run was committed once: its logs
 RESTARTING = ".restarting"  # a restart in progress: names the folder the history is moving into
 LOCK = ".lock"  # the run lock (flock file, or the lease object on an object store), + .p<i>
 RUN_ID = "run_id"  # the run's identity, random, made at its first start: env step keys name it
+ENV_ERRORS = "env_errors"  # the full traceback of each env step that raised, one file per step key
+ENV_IDENTITY = "env.json"  # the code of rollout.env and rollout.reward the run's episodes were made with
 PROBE = ".probe-"  # the object a start-up check writes and deletes at once, + <host>-<pid>
 VLLM_LORA = ".vllm_lora"  # engine.backend=vllm with LoRA: the adapter folders vLLM loads, emptied at each start
 # the append-only logs of one process, cut back to a checkpoint's sizes on resume (I5)
@@ -49,8 +51,8 @@ PER_PROCESS_LOG = re.compile(r"(lineage|drops|rollouts|metrics)(?:\.p(\d+))?\.js
 # every env step a process asked for (multi-turn episodes), never cut back: what the world saw
 ENV_REQUESTS = "env_requests"
 HISTORY = tuple(f"{kind}*{LOG_SUFFIX}" for kind in (*LOGS, ENV_REQUESTS))  # a fresh start never truncates these
-HISTORY_DIRS = (CHECKPOINTS, DAMAGED, TB, JOURNAL, WANDB)
-MANIFESTS = (CONFIG, DATA, FINAL, REWARD_PLOT, MARKER, WANDB_STATE, RUN_ID)  # moved aside with the history
+HISTORY_DIRS = (CHECKPOINTS, DAMAGED, TB, JOURNAL, WANDB, ENV_ERRORS)
+MANIFESTS = (CONFIG, DATA, FINAL, REWARD_PLOT, MARKER, WANDB_STATE, RUN_ID, ENV_IDENTITY)  # moved aside with the history
 JOURNAL_SEGMENT = re.compile(r"(\d+)\.jrn")
 JOURNAL_PROCESS = re.compile(r"p(\d+)")
 JOURNAL_PROCESS_GLOB = "p*"
@@ -106,6 +108,11 @@ def process_of_log(name: str, kind: str | None = None) -> int:
     if not m or (kind is not None and m.group(1) != kind):
         return -1
     return int(m.group(2) or 0)
+
+
+def env_error(run_dir, key: str):
+    """Where the traceback of the env step with key `key` (its str) is kept."""
+    return run_dir / ENV_ERRORS / (key.replace("/", "_") + ".txt")
 
 
 def lock(run_dir, i: int = 0):

@@ -9,7 +9,9 @@ from helpers import MODEL, wait_until
 from async_rl import config as C
 from async_rl.config import ConfigError
 from async_rl.data.tool_tasks import LookupEnv
+from async_rl.env.guards import StateLimits, state_limits, traceback_keeper
 from async_rl.env.interface import EnvError, EnvRunner, StepKey, StepResult, load_env
+from async_rl.store import runfiles
 
 KEY = StepKey("run-abc", 17, 2, 3, 1)
 REPLY = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
@@ -119,7 +121,7 @@ def test_step_result_refuses_bad_results_in_one_line(raw, needle):
     with pytest.raises(EnvError) as e:
         StepResult.check(raw, KEY)
     msg = str(e.value)
-    assert needle in msg and "prompt_id=17 turn=1 (key run-abc/17/2/3/1)" in msg and "\n" not in msg
+    assert needle in msg and "prompt_id=17 sample=3 turn=1 (key run-abc/17/2/3/1)" in msg and "\n" not in msg
 
 
 class Recording:
@@ -191,8 +193,8 @@ def test_a_step_that_raises_or_returns_bad_state_is_an_env_error():
     finally:
         runner.close()
     assert isinstance(got[5], EnvError) and isinstance(got[6], EnvError)
-    assert str(got[5]) == "env step raised ValueError: tool broke badly on prompt_id=5 turn=2 (key r/5/0/0/2)"
-    assert "a state that is not JSON" in str(got[6]) and "prompt_id=6 turn=1" in str(got[6])
+    assert str(got[5]) == "env step raised ValueError: tool broke badly on prompt_id=5 sample=0 turn=2 (key r/5/0/0/2)"
+    assert "a state that is not JSON" in str(got[6]) and "prompt_id=6 sample=0 turn=1" in str(got[6])
 
 
 def test_a_hung_step_times_out_and_close_is_bounded():
@@ -203,7 +205,7 @@ def test_a_hung_step_times_out_and_close_is_bounded():
     runner.submit(key(9, turn=3), REPLY, {})
     (h, err), = drain(runner, 1)
     assert isinstance(err, EnvError) and 0.4 < time.monotonic() - t0 < 5
-    assert str(err) == "env step did not return within rollout.env_timeout_s=0.5 s on prompt_id=9 turn=3 (key r/9/0/0/3)"
+    assert str(err) == "env step did not return within rollout.env_timeout_s=0.5 s on prompt_id=9 sample=0 turn=3 (key r/9/0/0/3)"
     t0 = time.monotonic()
     left = runner.close(timeout_s=0.5)
     assert left == ["env-0"] and time.monotonic() - t0 < 2
@@ -286,3 +288,89 @@ def test_a_run_whose_env_cannot_be_made_is_refused_and_writes_nothing(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not run_dir.exists()
     assert err[-1].startswith("error: rollout.env='no_such_module_here:make'"), err[-3:]
+
+
+def _nested(levels: int) -> dict:
+    state: dict = {}
+    for _ in range(levels - 1):
+        state = {"a": state}
+    return state
+
+
+def test_a_deep_or_large_state_is_refused_in_one_line_with_its_limit():
+    ok = StepResult.check({"observation": "x", "done": False, "state": _nested(32)}, KEY)
+    assert ok.state == _nested(32)
+    ring: dict = {"l": []}
+    ring["l"].append(ring)  # holds itself: as deep as any limit, measured without recursion
+    for state, needle in [(_nested(33), "more than 32 levels deep (limit rollout.env_state_max_depth=32"),
+                          (_nested(1000), "more than 32 levels deep"), (ring, "more than 32 levels deep"),
+                          ({"x": "y" * 1_000_000}, "a state of 1000009 bytes as JSON (limit rollout.env_state_max_bytes=")]:
+        with pytest.raises(EnvError) as e:
+            StepResult.check({"observation": "x", "done": False, "state": state}, KEY)
+        msg = str(e.value)
+        assert needle in msg and "prompt_id=17 sample=3 turn=1 (key run-abc/17/2/3/1)" in msg and "\n" not in msg
+    tight = StateLimits(max_depth=2, max_bytes=20)
+    with pytest.raises(EnvError, match="env_state_max_depth=2"):
+        StepResult.check({"observation": "x", "done": False, "state": {"a": {"b": [1]}}}, KEY, tight)
+    with pytest.raises(EnvError, match="a state of 22 bytes"):
+        StepResult.check({"observation": "x", "done": False, "state": {"a": "x" * 13}}, KEY, tight)
+    assert state_limits(C.RolloutConfig(env_state_max_depth=5, env_state_max_bytes=99)) == StateLimits(5, 99)
+
+
+def test_a_step_whose_state_is_a_thousand_levels_deep_fails_promptly_not_by_timeout():
+    """Nothing a step returns may kill the runner's thread: the caller hears of it at once."""
+    env = Recording()
+    env.step = lambda k, m, s: {"observation": "x", "done": False, "state": _nested(1000)}
+    runner = EnvRunner(env, max_concurrent=1, timeout_s=60)
+    try:
+        t0 = time.monotonic()
+        runner.submit(key(4, turn=1), REPLY, {})
+        (h, err), = drain(runner, 1, timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert isinstance(err, EnvError) and "more than 32 levels deep" in str(err)
+        assert "prompt_id=4 sample=0 turn=1" in str(err)
+        env.step = lambda k, m, s: {"observation": "x", "done": False, "state": Unequal()}
+        runner.submit(key(5), REPLY, {})
+        (h, err), = drain(runner, 1, timeout=10)
+        assert "could not be checked (RuntimeError: comparing broke)" in str(err)
+    finally:
+        assert runner.close() == []
+
+
+class Unequal(dict):
+    def __eq__(self, other):
+        raise RuntimeError("comparing broke")
+
+
+def test_a_step_that_raises_keeps_its_traceback_in_a_file_the_line_names(tmp_path):
+    runner = EnvRunner(Recording(), max_concurrent=1, timeout_s=30, keep_traceback=traceback_keeper(tmp_path))
+    try:
+        runner.submit(key(5, turn=2), [{"role": "assistant", "content": "raise"}], {})
+        (h, err), = drain(runner, 1)
+    finally:
+        runner.close()
+    path = runfiles.env_error(tmp_path, "r/5/0/0/2")
+    assert path == tmp_path / "env_errors" / "r_5_0_0_2.txt"
+    assert str(err) == ("env step raised ValueError: tool broke badly on prompt_id=5 sample=0 turn=2 "
+                        f"(key r/5/0/0/2); traceback in {path}")
+    text = path.read_text()
+    assert text.startswith("env step r/5/0/0/2\nTraceback (most recent call last):")
+    assert 'raise ValueError("tool broke\\nbadly")' in text and text.rstrip().endswith("ValueError: tool broke\nbadly")
+
+
+def test_a_traceback_file_is_never_written_through_a_symlink(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / runfiles.ENV_ERRORS).symlink_to(outside)
+    runner = EnvRunner(Recording(), max_concurrent=1, timeout_s=30, keep_traceback=traceback_keeper(run))
+    try:
+        runner.submit(key(5, turn=2), [{"role": "assistant", "content": "raise"}], {})
+        (h, err), = drain(runner, 1)
+    finally:
+        runner.close()
+    assert list(outside.iterdir()) == []
+    msg = str(err)
+    assert msg.startswith("env step raised ValueError: tool broke badly on prompt_id=5")
+    assert f"; traceback not kept (OSError: {run / runfiles.ENV_ERRORS} is a symlink" in msg and "\n" not in msg

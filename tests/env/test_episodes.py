@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from helpers import lineage, rollouts, run_cli
 from test_crash import crash_and_finish
 
 from async_rl.state.audit import audit
+from async_rl.store import runfiles
 
 HERE = Path(__file__).parent
 # the tool task at the tests' small shapes: episodes of call (3 tokens), value (5), call, value, answer
@@ -170,7 +172,9 @@ def test_multi_turn_run_on_vllm_killed_at_random_moments_trains_every_prompt_onc
     ("raise", "raised ConnectionError"),
     # CI time: the same path (a failed step raised on the pump thread); EnvRunner's own tests cover both in CI
     pytest.param("state", "not JSON", marks=pytest.mark.soak),
-    pytest.param("hang", "did not return within rollout.env_timeout_s=3 s", marks=pytest.mark.soak)])
+    pytest.param("hang", "did not return within rollout.env_timeout_s=3 s", marks=pytest.mark.soak),
+    pytest.param("deep", "a state nested more than 32 levels deep (limit rollout.env_state_max_depth=32",
+                 marks=pytest.mark.soak)])
 def test_a_bad_env_step_fails_the_run_with_one_line_and_a_resume_continues(tmp_path, xla_cache, monkeypatch, bad,
                                                                             says):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
@@ -183,9 +187,25 @@ def test_a_bad_env_step_fails_the_run_with_one_line_and_a_resume_continues(tmp_p
     r = run_cli(run, *args, cache=xla_cache, timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and says in last and "prompt_id=9 turn=0" in last, r.stderr[-3000:]
+    assert last.startswith("error: ") and says in last, r.stderr[-3000:]
+    assert re.search(r"prompt_id=9 sample=\d+ turn=0 \(key \w+/9/0/\d+/0\)", last), last
     assert "Traceback" not in r.stderr
+    if bad == "raise":  # the line names the file that keeps the step's traceback
+        kept = Path(last.rsplit("; traceback in ", 1)[1])
+        assert kept.parent == run / runfiles.ENV_ERRORS and kept.is_file(), last
+        assert 'raise ConnectionError("the tool' in kept.read_text() and "bad_env.py" in kept.read_text()
     monkeypatch.delenv("ASYNC_RL_TEST_BAD")
+    if bad == "raise":  # the env's code changed since the kill: refused, run.dir untouched, unless accepted
+        monkeypatch.setenv("ASYNC_RL_TEST_ENV_VERSION", "2")
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        r = run_cli(run, *args, cache=xla_cache, timeout=300)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "rollout.env=bad_env:make: version '1' -> '2'" in last, r.stderr[-3000:]
+        assert "run.env_changed=accept" in last and "Traceback" not in r.stderr
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+        args.append("run.env_changed=accept")
     r = run_cli(run, *args, cache=xla_cache, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert audit(run)["ok"] and sorted(x["prompt_id"] for x in lineage(run)) == list(range(16))
+    if bad == "raise":
+        assert json.loads((run / runfiles.ENV_IDENTITY).read_text())["rollout.env"]["version"] == "2"

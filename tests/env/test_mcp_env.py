@@ -204,7 +204,7 @@ def test_a_tool_past_the_timeout_fails_its_step_and_the_connection_goes_on(serve
         (after,) = run_steps(runner, [(fast, reply(render_call("lookup", {"key": "c"})), {})]).values()
     finally:
         assert runner.close(timeout_s=10) == []
-    assert str(got[str(slow)]) == ("env step did not return within rollout.env_timeout_s=8 s on prompt_id=1 turn=0 "
+    assert str(got[str(slow)]) == ("env step did not return within rollout.env_timeout_s=8 s on prompt_id=1 sample=0 turn=0 "
                                    "(key run-4/1/0/0/0)")
     assert got[str(fast)].observation == "value-b" and after.observation == "value-c"
 
@@ -219,7 +219,7 @@ def test_an_unreachable_server_fails_the_step_in_one_line():
     finally:
         runner.close(timeout_s=5)
     assert isinstance(r, EnvError) and "\n" not in str(r) and time.monotonic() - t0 < 25
-    assert "prompt_id=8 turn=0 (key run-3/8/0/0/0)" in str(r) and f"127.0.0.1:{port}" in str(r)
+    assert "prompt_id=8 sample=0 turn=0 (key run-3/8/0/0/0)" in str(r) and f"127.0.0.1:{port}" in str(r)
 
 
 def test_mcp_needs_a_server_and_a_bad_command_is_one_line():

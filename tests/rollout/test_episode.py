@@ -3,12 +3,13 @@ and an episode kept whole through the checkpoint's snapshot and the journal."""
 import numpy as np
 import pytest
 
+from async_rl import config as C
 from async_rl.buffer.journal_format import encode_episode, prompt_crc, read_segment
 from async_rl.buffer.ledger import OBSERVATION, Ledger, Sample
-from async_rl.data.tokenizer import CharTokenizer
+from async_rl.data.tokenizer import ByteTokenizer, CharTokenizer
 from async_rl.env.interface import EnvError, StepKey, StepResult
 from async_rl.learner.batch import Row, build_batch
-from async_rl.rollout.episode import Episodes
+from async_rl.rollout.episode import CUT_MARK, Episodes
 
 TOK = CharTokenizer()
 EOS = TOK.eos_id
@@ -81,7 +82,7 @@ def test_turn_budget_and_unencodable_observations():
     assert ep.budget(s) == 4  # a new turn
     s.tokens.append(TOK.encode("5")[0])
     assert ep.budget(s) == 3
-    with pytest.raises(EnvError, match="cannot encode.*prompt_id=7 turn=1"):
+    with pytest.raises(EnvError, match="cannot encode.*prompt_id=7 sample=0 turn=1"):
         ep.apply(s, ep.key(g, 0, s).__class__("r1", 7, 0, 0, 1), StepResult("x!", False, {}))
 
 
@@ -159,3 +160,43 @@ def test_an_env_reward_out_of_range_is_refused_before_it_is_recorded(reward):
     assert "\n" not in msg and "prompt_id=7" in msg and "sample 1" in msg and repr(reward) in msg, msg
     assert "rollout.reward_max_abs=1e+06" in msg, msg
     assert (s.tokens, s.turns, s.env_reward, s.done) == (*before, False)
+
+
+def test_a_huge_observation_is_cut_to_the_caps_marked_and_counted_in_the_budget():
+    led = Ledger(1)
+    g = _group(led)
+    ep = _episodes(max_new_tokens=200, max_observation_chars=100, max_observation_tokens=64)
+    s = g.samples[0]
+    _reply(s, "*")
+    a = ep.apply(s, ep.key(g, 0, s), StepResult("1" * 10_000_000, False, {}))
+    t = s.turns[-1]
+    # chars first (100), then tokens (the char tokenizer has no letters for the mark: the cut alone)
+    assert len(t["observation"]) <= 64 and t["observation"] == "1" * len(t["observation"])
+    assert (a.ended, a.tokens, a.cut, t["cut"]) == (False, t["n"], 10_000_000 - t["n"], a.cut)
+    assert len(s.tokens) == 2 + t["n"] and ep.budget(s) == 200 - len(s.tokens)  # the budget counts them
+    # a step that ends the episode stores its observation cut too (it is kept, not fed)
+    a = ep.apply(s, ep.key(g, 0, s), StepResult("2" * 5000, True, {}))
+    assert (a.ended, a.tokens, len(s.turns[-1]["observation"]), s.turns[-1]["cut"]) == (True, 0, 100, 4900)
+
+
+def test_the_cut_is_marked_where_the_vocabulary_can_spell_it():
+    led = Ledger(1)
+    g = _group(led)
+    ep = Episodes(run="r1", tokenizer=ByteTokenizer(), max_turns=3, max_new_tokens=10_000, max_observation_chars=1000,
+                  max_observation_tokens=200)
+    s = g.samples[0]
+    s.tokens += [65, 66]
+    a = ep.apply(s, ep.key(g, 0, s), StepResult("é" * 5000, False, {}))  # 2 bytes a character
+    obs = s.turns[-1]["observation"]
+    kept = obs.split("\n")[0]
+    assert obs == kept + CUT_MARK.format(5000 - len(kept)) and a.cut == 5000 - len(kept)
+    assert 0 < a.tokens <= 200 and a.tokens == len(obs.encode())
+    assert Episodes.of(C.RolloutConfig(max_observation_chars=123, max_observation_tokens=77), run="r", tokenizer=TOK,
+                       max_turns=2).max_chars == 123
+
+
+def test_cut_observations_are_counted_in_the_step_metrics():
+    from async_rl.obs.metrics import Rates
+    from async_rl.rollout.pump import PumpStats
+    row = Rates().take(PumpStats(env_submitted=5, env_steps=4, env_cut=2), None)
+    assert (row["rollout/env_steps"], row["rollout/env_observations_cut"]) == (4, 2)

@@ -12,11 +12,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "async_rl"
 # names that are unambiguous anywhere in code (a dot in them): a literal that is exactly one of
 # them, or one of them with formatting (".lock.p{i}"), is a path; so is any "....jsonl"/".jrn"
 FILE_NAMES = ("config.yaml", "data.json", "final.json", "reward.png", "wandb.json", ".lock", ".checkpointed",
-              ".restarting", ".probe")
+              ".restarting", ".probe", "env.json")
 LOG_ENDINGS = (".jsonl", ".jrn")
 # plain words: only where they build a path (`x / "tb"`, a glob or Path argument)
 FOLDER_NAMES = ("checkpoints", "journal", "tb", "previous", "damaged", "wandb", "lineage", "metrics",
-                "drops", "rollouts")
+                "drops", "rollouts", "env_errors")
 PATH_CALLS = {"glob", "rglob", "Path", "joinpath", "with_name", "run_path", "open", "exists", "is_file", "is_dir",
               "read", "size", "cut", "remove", "write_atomic", "write_if_changed", "listdir", "mkdirs", "move"}
 
