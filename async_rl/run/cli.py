@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("run_dir")
     v.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("--trust-code", action="store_true", help="run the env, reward or MCP server command the run's "
+                   "config.yaml names (module:factory, module:function, a command); without it eval refuses them "
+                   "unless named again as overrides")
     v.add_argument("overrides", nargs="*", help="group.field=value applied to the run's config (e.g. eval.*)")
     e = sub.add_parser("export", help="write a trained policy as a Hugging Face-format directory")
     e.add_argument("run_dir")
@@ -163,7 +166,8 @@ def _main(argv: list[str] | None) -> int:
     if args.cmd == "eval":
         from async_rl.run.evaluate import eval_run
         try:
-            step, scores, what = eval_run(args.run_dir, args.step, args.overrides, warn=_warn)
+            step, scores, what = eval_run(args.run_dir, args.step, args.overrides, warn=_warn,
+                                          trust_code=args.trust_code)
         except (UsageError, FileNotFoundError, ValueError) as e:
             return _err(str(e), 2)
         except StorageError as e:

@@ -1,11 +1,16 @@
 """The command line as a user meets it: user modules named from the folder they sit in, a saved
 run's code imported only when the user asks for it, help and messages that say what they mean."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import FAST
+import pytest
+import yaml
+from helpers import FAST, run_cli
+
+from async_rl.run.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,3 +44,75 @@ def test_a_user_module_beside_the_working_directory_is_imported(tmp_path):
                        timeout=180, env=env)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and f"looked in the working directory ({work})" in err[0], r.stderr
+
+
+ENV_MODULE = '''
+from pathlib import Path
+Path(__file__).with_name("imported.marker").write_text("imported")
+KEYS = []
+
+class Done:
+    max_turns = 2
+    def step(self, key, messages, state):
+        KEYS.append(key)
+        return {"observation": None, "done": True, "state": {}}
+
+def make():
+    return Done()
+'''
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, xla_cache):
+    """A finished tiny run with checkpoints at steps 1 and 2."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    r = run_cli(run, "data.num_records=16", "rollout.prompts_per_step=4", "train.max_steps=2",
+                "checkpoint.every_steps=1", "checkpoint.keep=2", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return run
+
+
+def _foreign(run: Path, dst: Path, **rollout) -> Path:
+    shutil.copytree(run, dst)
+    doc = yaml.safe_load((dst / "config.yaml").read_text())
+    doc["rollout"].update(rollout)
+    (dst / "config.yaml").write_text(yaml.safe_dump(doc))
+    return dst
+
+
+def test_eval_runs_no_code_a_saved_config_names_unless_asked(two_steps, tmp_path, monkeypatch, capsys):
+    (tmp_path / "stepkeys_env.py").write_text(ENV_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "imported.marker"
+    small = ["eval.num_records=4"]
+    for i, rollout in enumerate([{"env": "stepkeys_env:make"}, {"reward": "stepkeys_env:make"},
+                                 {"env": "mcp", "mcp_server": f"touch {marker}"}]):
+        run = _foreign(two_steps, tmp_path / f"foreign{i}", **rollout)
+        assert main(["eval", str(run), *small]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        field, value = list(rollout.items())[-1]
+        assert len(err) == 1 and f"rollout.{field}={value!r}" in err[0] and "--trust-code" in err[0], err
+        assert not marker.exists()
+        main(["export", str(run), "--out", str(tmp_path / f"out{i}")])  # export reads the config, runs none of it
+        capsys.readouterr()
+        assert not marker.exists() and "stepkeys_env" not in sys.modules
+    # the project's own env and reward are no one's foreign code
+    assert main(["eval", str(_foreign(two_steps, tmp_path / "own", reward="digits")), *small]) == 0
+    # trusted: imported and run
+    assert main(["eval", str(tmp_path / "foreign0"), "--trust-code", *small]) == 0 and marker.exists()
+
+
+def test_eval_env_step_keys_name_the_step_evaluated(two_steps, tmp_path, monkeypatch, capsys):
+    (tmp_path / "stepkeys_env.py").write_text(ENV_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "stepkeys_env", raising=False)
+    keys = {}
+    for step in (1, 2):  # named on the command line: the user's own code, run without --trust-code
+        assert main(["eval", str(two_steps), "--step", str(step), "rollout.env=stepkeys_env:make",
+                     "eval.num_records=4"]) == 0, capsys.readouterr().err
+        mod = sys.modules["stepkeys_env"]
+        keys[step], mod.KEYS[:] = list(mod.KEYS), []
+    assert keys[1] and keys[2]
+    assert {k.epoch for k in keys[1]} == {1} and {k.epoch for k in keys[2]} == {2}
+    assert not {str(k) for k in keys[1]} & {str(k) for k in keys[2]}
+    assert all(str(k).split("/")[-5] == "eval" for k in keys[1])
