@@ -270,8 +270,8 @@ class RolloutConfig:
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
     reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
-    env: str = ""  # multi-turn env: "" = single turn | lookup | mcp | module:factory (docs/envs-and-tools.md)
-    env_max_turns: int = 4  # built-in envs (lookup, mcp): assistant turns per episode
+    env: str = ""  # multi-turn env: "" = single turn | lookup | recall | mcp | module:factory (docs/envs-and-tools.md)
+    env_max_turns: int = 4  # built-in envs (lookup, recall, mcp): assistant turns per episode
     env_max_concurrent: int = 16  # env steps running at once
     env_timeout_s: float = 60.0  # one env step running longer fails the run, seconds
     turn_max_tokens: int = 0  # multi-turn: tokens per assistant turn; 0 = what the episode has left

@@ -116,3 +116,14 @@ def test_eval_env_step_keys_name_the_step_evaluated(two_steps, tmp_path, monkeyp
     assert {k.epoch for k in keys[1]} == {1} and {k.epoch for k in keys[2]} == {2}
     assert not {str(k) for k in keys[1]} & {str(k) for k in keys[2]}
     assert all(str(k).split("/")[-5] == "eval" for k in keys[1])
+
+
+def test_train_help_and_the_env_table_name_every_built_in_env(capsys):
+    from async_rl.env.interface import BUILTIN_ENVS
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("rollout.env "))
+    table = (ROOT / "docs/envs-and-tools.md").read_text()
+    for name in BUILTIN_ENVS:
+        assert name in line, line
+        assert f"\n| `{name}` |" in table, name
