@@ -66,9 +66,13 @@ def open_run(run_dir: str | Path) -> SavedRun:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: missing (is {run} a run directory?)")
     try:
-        cfg = C.from_dict(yaml.safe_load(cfg_path.read_text()) or {})
-    except yaml.YAMLError as e:
-        raise C.ConfigError(f"{cfg_path}: not valid YAML ({e})") from None
+        doc = yaml.safe_load(cfg_path.read_bytes()) or {}
+    except (yaml.YAMLError, RecursionError) as e:  # not YAML, not UTF-8, nested without end
+        raise C.ConfigError(f"{cfg_path}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise C.ConfigError(f"{cfg_path}: not a run's config (a mapping of config groups, each a mapping of "
+                            "fields); restore it from a copy of the run")
+    cfg = C.from_dict(doc)
     if not committed_steps(run / runfiles.CHECKPOINTS):
         raise FileNotFoundError(f"{run / runfiles.CHECKPOINTS}: no committed checkpoint")
     tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
