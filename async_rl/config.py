@@ -36,13 +36,26 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
 
 def load_callable(what: str, spec: str):
     """The callable a `module:attr.path` config value names (`what` is the `key=value` the error
-    names); each way it can be wrong is one ConfigError."""
+    names); each way it can be wrong is one ConfigError. The module is looked for in the working
+    directory first, as `python -m` does (the `async-rl` script alone would not look there)."""
     import importlib
+    import os
+    import sys
     mod_name, _, attr = spec.partition(":")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     try:
         fn = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ConfigError(f"{what}: cannot import module {mod_name!r} ({' '.join(str(e).split())})") from None
+        where = ""
+        if isinstance(e, ModuleNotFoundError) and e.name and mod_name.startswith(e.name):
+            where = (f"; looked in the working directory ({here}) and the Python path: run from the folder "
+                     f"holding {e.name.split('.')[0]}.py or add its folder to PYTHONPATH")
+        raise ConfigError(f"{what}: cannot import module {mod_name!r} ({' '.join(str(e).split())}){where}") from None
+    except Exception as e:  # the module's own code failed as it was imported
+        raise ConfigError(f"{what}: importing module {mod_name!r} raised {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}") from None
     for part in attr.split("."):
         if (fn := getattr(fn, part, None)) is None:
             raise ConfigError(f"{what}: module {mod_name!r} has no attribute {attr!r}")
@@ -258,8 +271,8 @@ class RolloutConfig:
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
     reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
     reward_max_abs: float = 1e6  # a reward (function's or env's) with a larger magnitude fails the run, reward units
-    env: str = ""  # multi-turn env: "" = single turn | lookup | mcp | module:factory (docs/envs-and-tools.md)
-    env_max_turns: int = 4  # built-in envs (lookup, mcp): assistant turns per episode
+    env: str = ""  # multi-turn env: "" = single turn | lookup | recall | mcp | module:factory (docs/envs-and-tools.md)
+    env_max_turns: int = 4  # built-in envs (lookup, recall, mcp): assistant turns per episode
     env_max_concurrent: int = 16  # env steps running at once
     env_timeout_s: float = 60.0  # one env step running longer fails the run, seconds
     turn_max_tokens: int = 0  # multi-turn: tokens per assistant turn; 0 = what the episode has left

@@ -67,7 +67,8 @@ def target_of(args) -> float:
 def by_length(run_dir: Path) -> dict[int, tuple[int, float, float]]:
     """Answer length -> (prompts, accuracy, mean completion tokens) of the run's newest step."""
     from async_rl.run.evaluate import open_eval
-    _, ev, params = open_eval(run_dir, warn=lambda msg: print(msg, file=sys.stderr))
+    # the run this script trained: its config's code is the caller's own
+    _, ev, params = open_eval(run_dir, warn=lambda msg: print(msg, file=sys.stderr), trust_code=True)
     scores, n_tokens = ev.score(params)
     rows = defaultdict(list)
     for i, ans in enumerate(ev.set.answers):

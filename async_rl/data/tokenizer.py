@@ -186,7 +186,7 @@ class HFTokenizer:
             # data's encoder: special-token strings in the text stay text (a copy: the flag is per object)
             self._plain = _HFTok.from_file(str(tj))
         except Exception as e:  # the Rust side raises a bare Exception on malformed files
-            raise ConfigError(f"tokenizer.path={path!r}: cannot load {tj}: {e}") from None
+            raise ConfigError(f"tokenizer.path={str(path)!r}: cannot load {tj}: {' '.join(str(e).split())}") from None
         self._plain.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         files = {name: self._read_json(name) for name in _SPECIAL_FILES}
@@ -219,8 +219,8 @@ class HFTokenizer:
         if not p.is_file():
             return {}
         try:
-            doc = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            doc = json.loads(p.read_bytes())
+        except (OSError, ValueError) as e:  # not JSON, or not UTF-8
             raise ConfigError(f"tokenizer.path={str(self.path)!r}: {p} is not valid JSON ({e})") from None
         return doc if isinstance(doc, dict) else {}
 

@@ -66,7 +66,7 @@ def read_config(path: str | Path) -> dict:
         where = f"no config.json in {cj.parent}" if cj.parent.is_dir() else "no such directory"
         raise HFError(f"model.hf_path={str(path)!r}: {where}")
     try:
-        if not isinstance(doc := json.loads(cj.read_text()), dict):
+        if not isinstance(doc := json.loads(cj.read_bytes()), dict):
             raise ValueError("expected a JSON object")
     except (OSError, ValueError) as e:
         raise HFError(f"{cj}: not a valid config ({e})") from None
@@ -77,8 +77,12 @@ def _rope_fields(hc: dict, where: Path) -> dict:
     # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters (Gemma 3:
     # one entry per layer type, of which the global layers' is the scaled one).
     params = hc.get("rope_parameters") or {}
-    params = params.get("full_attention", params)
+    params = params.get("full_attention", params) if isinstance(params, dict) else params
     scaling = hc.get("rope_scaling") or params
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise HFError(f"{where}: {name} is {value!r}, expected an object such as "
+                          '{"rope_type": "linear", "factor": 2.0}')
     theta = hc.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     out = dict(rope_theta=float(theta), rope_scaling="none", rope_factor=1.0, rope_low_freq_factor=1.0,
@@ -95,6 +99,8 @@ def _rope_fields(hc: dict, where: Path) -> dict:
                        rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
     except KeyError as e:
         raise HFError(f"{where}: rope scaling {kind!r} lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise HFError(f"{where}: rope scaling {kind!r} has a field that is not a number ({e})") from None
     return out
 
 
@@ -287,7 +293,9 @@ class _Checkpoint:
         if idx.is_file():
             try:
                 wmap = json.loads(idx.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
+                if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
+                    raise ValueError("weight_map is not an object of tensor name -> file name")
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise HFError(f"{idx}: not a valid index ({e})") from None
             files = sorted(set(wmap.values()))
         else:

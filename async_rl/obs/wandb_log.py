@@ -69,6 +69,24 @@ def _temp_files_in(folder: Path):
                 os.environ[k] = v
 
 
+def read_state(path: Path) -> dict:
+    """wandb.json: the W&B run this run logs to ({} before its first session); one ConfigError if damaged."""
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_bytes())
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        rid = state.get("id")
+        if rid is not None and not (isinstance(rid, str) and rid.replace("-", "").replace("_", "").isalnum()):
+            raise ValueError(f"id {rid!r} is not a W&B run id")
+        int(state.get("logged", -1))
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: damaged ({' '.join(str(e).split())[:200]}); delete it to log to a new W&B run, "
+                          "or write back the run's id as {\"id\": \"...\"}") from None
+    return state
+
+
 class WandbLog:
     """A W&B run for `run_dir`: created on the job's first session, resumed by id on every later one."""
 
@@ -76,7 +94,7 @@ class WandbLog:
                  tags: tuple[str, ...] = (), log=print):
         check_installed()
         self.path = Path(run_dir) / runfiles.WANDB_STATE
-        state = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        state = read_state(self.path)
         run_id = state.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         # wandb names a session's folder by its start second: a second session of this run in
         # the same second would reuse the folder and overwrite the earlier session's files

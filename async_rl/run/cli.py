@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("run_dir")
     v.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("--trust-code", action="store_true", help="run the env, reward or MCP server command the run's "
+                   "config.yaml names (module:factory, module:function, a command); without it eval refuses them "
+                   "unless named again as overrides")
     v.add_argument("overrides", nargs="*", help="group.field=value applied to the run's config (e.g. eval.*)")
     e = sub.add_parser("export", help="write a trained policy as a Hugging Face-format directory")
     e.add_argument("run_dir")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _main(argv: list[str] | None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may come after options too (`eval RUN --json eval.num_records=64`)
@@ -140,52 +143,67 @@ def _main(argv: list[str] | None) -> int:
         args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parse(argv)
     if args.cmd is None:
         _parser().print_help()
         return 2
     _keep_off_libtpu(args.cmd)
-    from async_rl.store.remote_io import StorageError
-    if args.cmd in ("audit", "eval", "export"):
-        try:
-            _probe(args.run_dir)
-        except UsageError as e:
-            return _err(str(e), 2)
-    if args.cmd == "audit":
-        from async_rl.state.audit import audit, format_report
-        try:
-            rep = audit(args.run_dir)
-        except (UsageError, OSError) as e:
-            return _err(str(e), 2)
-        except StorageError as e:
-            return _err(f"{e}; {e.hint}", 2)
-        print(json.dumps(rep, indent=1) if args.json else format_report(rep))
-        return 0 if rep["ok"] else 1
-    if args.cmd == "eval":
-        from async_rl.run.evaluate import eval_run
-        try:
-            step, scores, what = eval_run(args.run_dir, args.step, args.overrides, warn=_warn)
-        except (UsageError, FileNotFoundError, ValueError) as e:
-            return _err(str(e), 2)
-        except StorageError as e:
-            return _err(f"{e}; {e.hint}", 2)
-        if args.json:
-            print(json.dumps({"step": step, **scores}))
-        else:
-            print(f"eval {args.run_dir} step {step}: {what}")
-            print("  " + "  ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scores.items()))
-        return 0
-    if args.cmd == "export":
-        from async_rl.run.export import export
-        try:
-            out, step = export(args.run_dir, args.out, step=args.step, warn=_warn)
-        except (UsageError, FileNotFoundError, ValueError) as e:
-            return _err(str(e), 2)
-        except StorageError as e:
-            return _err(f"{e}; {e.hint}", 2)
-        print(f"exported step {step} to {out}")
-        return 0
     if args.cmd == "plan":
         return _plan(args)
+    if args.cmd == "train":
+        return _train(args)
+    from async_rl.store.remote_io import StorageError
+    read = {"audit": _audit, "eval": _eval, "export": _export}[args.cmd]
+    try:  # the read-only commands: bad input and an unusable store are exit 2
+        _probe(args.run_dir)
+        return read(args)
+    except UsageError as e:
+        return _err(str(e), 2)
+    except StorageError as e:
+        return _err(f"{e}; {e.hint}", 2)
+
+
+def _audit(args) -> int:
+    from async_rl.state.audit import audit, format_report
+    try:
+        rep = audit(args.run_dir)
+    except OSError as e:
+        return _err(str(e), 2)
+    print(json.dumps(rep, indent=1) if args.json else format_report(rep))
+    return 0 if rep["ok"] else 1
+
+
+def _eval(args) -> int:
+    from async_rl.run.evaluate import eval_run
+    try:
+        step, scores, what = eval_run(args.run_dir, args.step, args.overrides, warn=_warn,
+                                      trust_code=args.trust_code)
+    except (FileNotFoundError, ValueError) as e:
+        return _err(str(e), 2)
+    if args.json:
+        print(json.dumps({"step": step, **scores}))
+    else:
+        print(f"eval {args.run_dir} step {step}: {what}")
+        print("  " + "  ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scores.items()))
+    return 0
+
+
+def _export(args) -> int:
+    from async_rl.run.export import export
+    try:
+        out, step = export(args.run_dir, args.out, step=args.step, warn=_warn)
+    except (FileNotFoundError, ValueError) as e:
+        return _err(str(e), 2)
+    print(f"exported step {step} to {out}")
+    return 0
+
+
+def _train(args) -> int:
+    """Resolve and print the config, then train; each way a run can stop is one line."""
     from async_rl.model import hf
     try:
         cfg = hf.resolve(C.load(args.config, args.overrides))  # model.hf_path fills in the architecture
@@ -199,33 +217,38 @@ def _main(argv: list[str] | None) -> int:
         split_gpu_memory(cfg.engine.gpu_memory_utilization)  # before JAX takes a GPU
     from async_rl.model.sharding import init_distributed
     from async_rl.run.train import train
-    from async_rl.store import remote_io
-    from async_rl.store.rundir import storage_error
     init_distributed()
     try:
-        res = train(cfg)
-    except StorageError as e:
+        return train(cfg).exit_code
+    except Exception as e:
+        return _train_failed(cfg, e)
+
+
+def _train_failed(cfg, e: Exception) -> int:
+    """The exit code (and line) of an exception that ended `train`; one that is no known kind is raised."""
+    from async_rl.store import remote_io
+    from async_rl.store.remote_io import StorageError
+    from async_rl.store.rundir import storage_error
+    if isinstance(e, StorageError):
         return _stopped(e)
-    except (UsageError, RunFailure) as e:
+    if isinstance(e, (UsageError, RunFailure)):
         return _err(str(e), e.exit_code)
-    except PermissionError as e:
+    if isinstance(e, PermissionError):
         return _err(f"{e.filename or cfg.run.dir}: permission denied ({e.strerror}); the run was stopped", 2)
-    except MemoryError:
+    if isinstance(e, MemoryError):
         return _err(f"out of host memory (the run was stopped; {_kept(cfg)}); use a smaller model or fewer "
                     "engine.max_concurrent_decodes", 1)
-    except OSError as e:  # a write no writer named (a library's): still one line where it is the disk's fault
+    if isinstance(e, OSError):  # a write no writer named (a library's): still one line where it is the disk's fault
         err = storage_error(e.filename or cfg.run.dir, e)
         if not isinstance(err, StorageError):
-            raise
+            raise e
         return _stopped(err)
-    except Exception as e:
-        why = remote_io.cause(e)  # a library's storage call that no writer named
-        if why:
-            return _stopped(StorageError(cfg.run.dir, why, "storage"))
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return _err(f"out of device memory ({str(e).splitlines()[0][:300]}); the run was stopped, {_kept(cfg)}", 1)
-    return res.exit_code
+    why = remote_io.cause(e)  # a library's storage call that no writer named
+    if why:
+        return _stopped(StorageError(cfg.run.dir, why, "storage"))
+    if "RESOURCE_EXHAUSTED" not in str(e):
+        raise e
+    return _err(f"out of device memory ({str(e).splitlines()[0][:300]}); the run was stopped, {_kept(cfg)}", 1)
 
 
 def _kept(cfg) -> str:

@@ -185,21 +185,23 @@ def eval_slots(cfg: C.Config) -> int:
 
 
 def eval_run(run_dir: str | Path, step: int | None = None, overrides: list[str] = (),
-             warn=print) -> tuple[int, dict, str]:
+             warn=print, trust_code: bool = False) -> tuple[int, dict, str]:
     """`async-rl eval`: (step, metrics, description) of a saved step of a run (by default the
-    newest that verifies), read-only."""
-    step, ev, params = open_eval(run_dir, step, overrides, warn)
-    return step, ev(params), ev.describe()
+    newest that verifies), read-only. Multi-turn episodes' env-step keys name that step."""
+    step, ev, params = open_eval(run_dir, step, overrides, warn, trust_code=trust_code)
+    return step, ev(params, step), ev.describe()
 
 
 def open_eval(run_dir: str | Path, step: int | None = None, overrides: list[str] = (),
-              warn=print) -> tuple[int, Evaluator, object]:
-    """(step, evaluator, parameters) of a saved step of a run, as `eval_run` scores it."""
+              warn=print, trust_code: bool = False) -> tuple[int, Evaluator, object]:
+    """(step, evaluator, parameters) of a saved step of a run, as `eval_run` scores it. The run's
+    own env, reward or MCP server command is code: run only with `trust_code` or named in `overrides`."""
     from flax import nnx
 
     from async_rl.model.transformer import Transformer
-    from async_rl.state.saved_run import open_run, read_params
+    from async_rl.state.saved_run import open_run, read_params, refuse_foreign_code
     run = open_run(run_dir)
+    refuse_foreign_code(run, overrides, trust_code)
     cfg, tok, vocab = C.with_overrides(run.cfg, overrides), run.tok, run.vocab
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every_steps=cfg.eval.every_steps or 1))
     if cfg.engine.backend == "vllm":

@@ -296,5 +296,19 @@ def format_report(rep: dict) -> str:
         if e["unexpected"]:
             out.append(f"      ids not in the dataset: {_ids(e['unexpected'])}")
     out += [f"problem: {p}" for p in rep["problems"]]
-    out.append("PASS: every prompt of every completed epoch trained exactly once" if rep["ok"] else "FAIL")
+    out.append(_verdict(rep))
     return "\n".join(out)
+
+
+def _verdict(rep: dict) -> str:
+    """What a PASS checked: the completed epochs in full, an epoch in progress only so far."""
+    if not rep["ok"]:
+        return "FAIL"
+    done = [e["epoch"] for e in rep["epochs"] if e["complete"]]
+    open_ = [f"{e['trained_once']} of {e['expected']} prompts of epoch {e['epoch']}" for e in rep["epochs"]
+             if not e["complete"] and e["trained_once"]]
+    so_far = f"{', '.join(open_)} trained once so far, none twice" if open_ else "nothing trained yet"
+    if not done:
+        return f"PASS: no epoch completed yet: {so_far}"
+    whole = f"every prompt of epoch{'s' if len(done) > 1 else ''} {_ids(done)} trained exactly once"
+    return f"PASS: {whole}" + (f"; {so_far}" if open_ else "")

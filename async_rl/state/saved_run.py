@@ -66,13 +66,55 @@ def open_run(run_dir: str | Path) -> SavedRun:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: missing (is {run} a run directory?)")
     try:
-        cfg = C.from_dict(yaml.safe_load(cfg_path.read_text()) or {})
-    except yaml.YAMLError as e:
-        raise C.ConfigError(f"{cfg_path}: not valid YAML ({e})") from None
+        doc = yaml.safe_load(cfg_path.read_bytes()) or {}
+    except (yaml.YAMLError, RecursionError) as e:  # not YAML, not UTF-8, nested without end
+        raise C.ConfigError(f"{cfg_path}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise C.ConfigError(f"{cfg_path}: not a run's config (a mapping of config groups, each a mapping of "
+                            "fields); restore it from a copy of the run")
+    cfg = C.from_dict(doc)
     if not committed_steps(run / runfiles.CHECKPOINTS):
         raise FileNotFoundError(f"{run / runfiles.CHECKPOINTS}: no committed checkpoint")
     tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
     return SavedRun(run, cfg, tok, cfg.model.vocab_size or tok.vocab_size)
+
+
+def foreign_code(cfg: C.Config, named: set[str]) -> list[tuple[str, str]]:
+    """(field, value) of each value in a saved config that would import or start code that is not
+    this project's own (a `module:factory` env, a `module:function` reward, an MCP server command),
+    leaving out the fields in `named`: those the user gave on the command line."""
+    import shlex
+
+    from async_rl.data.rewards import registered
+    from async_rl.env.interface import BUILTIN_ENVS
+
+    def own_module(spec: str) -> bool:
+        return spec.partition(":")[0].split(".")[0] == "async_rl"
+
+    r, out = cfg.rollout, []
+    if r.env and r.env not in BUILTIN_ENVS and not own_module(r.env):
+        out.append(("rollout.env", r.env))
+    if r.reward and r.reward not in registered() and not own_module(r.reward):
+        out.append(("rollout.reward", r.reward))
+    if r.env == "mcp" and not r.mcp_server.strip().startswith(("http://", "https://")):
+        try:
+            argv = shlex.split(r.mcp_server)
+        except ValueError:
+            argv = []
+        if argv[:2] != ["python", "-m"] or len(argv) < 3 or not own_module(argv[2]):
+            out.append(("rollout.mcp_server", r.mcp_server))
+    return [(k, v) for k, v in out if k not in named]
+
+
+def refuse_foreign_code(run: SavedRun, overrides, trust_code: bool) -> None:
+    """A saved config is another's input: the code it names runs only when the user names it again
+    (an override) or passes --trust-code; otherwise one ConfigError naming the value (exit 2)."""
+    named = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    found = [] if trust_code else foreign_code(run.cfg, named)
+    if found:
+        k, v = found[0]
+        raise C.ConfigError(f"{run.run_dir / runfiles.CONFIG}: {k}={v!r} would be imported and run; if you trust "
+                            f"this run pass --trust-code (or name it yourself: {k}=...); nothing was run")
 
 
 def _run_path(run_dir):

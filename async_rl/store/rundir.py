@@ -188,12 +188,14 @@ def run_identity(path, create: bool = True) -> str:
     where the run has none."""
     p = path / runfiles.RUN_ID
     new = secrets.token_hex(8).encode()
-    if not create:
-        return storage.read_text(p).strip() if storage.exists(p) else "unnamed"
-    storage.create(p, new)  # the first process to get there wins; the rest read its identity
-    ident = storage.read_text(p).strip()
+    if not create and not storage.exists(p):
+        return "unnamed"
+    if create:
+        storage.create(p, new)  # the first process to get there wins; the rest read its identity
+    ident = storage.read_bytes(p).decode("utf-8", "replace").strip()
     if not ident.isalnum():
-        raise RunFailure(f"{p}: not a run identity ({ident[:40]!r}); it names this run's env steps, restore it")
+        kind = RunFailure if create else ConfigError  # a reader's input, not a run that failed
+        raise kind(f"{p}: not a run identity ({ident[:40]!r}); it names this run's env steps, restore it")
     return ident
 
 

@@ -184,3 +184,11 @@ def test_a_live_then_killed_run_audits_as_pending_cut(tmp_path, xla_cache, capsy
     assert any(f"resumed step {steps[-2]}" in x for x in said), said
     rep = audit(run)
     assert rep["ok"] and rep["lines_after_checkpoint"] == 0, rep["problems"]
+
+
+def test_pass_line_says_what_was_checked(runs, capsys):
+    assert main(["audit", str(runs / "stopped")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == \
+        "PASS: no epoch completed yet: 8 of 12 prompts of epoch 0 trained once so far, none twice"
+    assert main(["audit", str(runs / "finished")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "PASS: every prompt of epochs 0, 1 trained exactly once"
