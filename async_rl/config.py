@@ -34,36 +34,6 @@ def _check(cond: bool, key: str, value: Any, why: str) -> None:
 def _one_of(key: str, value: Any, choices: tuple) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
 
-def load_callable(what: str, spec: str):
-    """The callable a `module:attr.path` config value names (`what` is the `key=value` the error
-    names); each way it can be wrong is one ConfigError. The module is looked for in the working
-    directory first, as `python -m` does (the `async-rl` script alone would not look there)."""
-    import importlib
-    import os
-    import sys
-    mod_name, _, attr = spec.partition(":")
-    here = os.getcwd()
-    if here not in sys.path and "" not in sys.path:
-        sys.path.insert(0, here)
-    try:
-        fn = importlib.import_module(mod_name)
-    except ImportError as e:
-        where = ""
-        if isinstance(e, ModuleNotFoundError) and e.name and mod_name.startswith(e.name):
-            where = (f"; looked in the working directory ({here}) and the Python path: run from the folder "
-                     f"holding {e.name.split('.')[0]}.py or add its folder to PYTHONPATH")
-        raise ConfigError(f"{what}: cannot import module {mod_name!r} ({' '.join(str(e).split())}){where}") from None
-    except Exception as e:  # the module's own code failed as it was imported
-        raise ConfigError(f"{what}: importing module {mod_name!r} raised {type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:300]}") from None
-    for part in attr.split("."):
-        if (fn := getattr(fn, part, None)) is None:
-            raise ConfigError(f"{what}: module {mod_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ConfigError(f"{what}: {attr!r} in {mod_name!r} is not callable")
-    return fn
-
-
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = ""  # run directory: config.yaml, logs, lineage, checkpoints; required to train

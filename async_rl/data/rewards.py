@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from async_rl.config import ConfigError, load_callable
+from async_rl.config import ConfigError
+from async_rl.usercode import load_callable
 
 RewardFn = Callable[[str, str], float]
 

@@ -29,10 +29,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from async_rl.config import ConfigError, load_callable
+from async_rl.config import ConfigError
 from async_rl.data.rewards import as_real
 from async_rl.env.guards import StateLimits, state_depth
 from async_rl.errors import RunFailure
+from async_rl.usercode import load_callable
 
 ROLES = ("tool", "user")
 _RESULT_KEYS = frozenset({"observation", "done", "state", "reward", "role"})
