@@ -52,27 +52,124 @@ def test_quoted_files_exist():
     assert not missing, missing
 
 
-def _test_names(file: str) -> set[str]:
-    tree = ast.parse((ROOT / "tests" / file).read_text())
-    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")}
+SEGMENT = r"\w+(?:\[[^\]\s`]+\])?"
+CITATION = re.compile(rf"(?<![\w/.-])((?:tests/)?(?:\w+/)*test_\w+\.py)((?:::{SEGMENT})*)"  # file::[Class::]test[id]
+                      rf"|(?<![\w.\]])((?:::{SEGMENT})+)")  # `::test`: the last file cited on the line
+
+
+def _test_file(cited: str) -> tuple[Path | None, str]:
+    """The file a citation names: `tests/wing/test_x.py` as written, a bare `test_x.py` by its one
+    match under tests/."""
+    if "/" in cited:
+        path = ROOT / cited
+        return (path, "") if path.is_file() else (None, "no such file")
+    found = sorted((ROOT / "tests").rglob(cited))
+    if len(found) != 1:
+        return None, "no such file under tests/" if not found else f"{len(found)} files of that name under tests/"
+    return found[0], ""
+
+
+def _param_strings(tree: ast.Module, func: ast.FunctionDef) -> set[str] | None:
+    """Every constant a test's `parametrize` marks hold (the pieces pytest joins with `-` into an
+    id), following names bound at module level; None if a mark builds its values some other way."""
+    assigned = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    found: set[str] = set()
+    for dec in func.decorator_list:
+        if "parametrize" not in ast.unparse(dec):
+            continue
+        nodes = [dec]
+        for node in ast.walk(dec):
+            if isinstance(node, ast.Name) and node.id in assigned:
+                nodes.append(assigned[node.id])
+            elif isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.IfExp)):
+                return None
+        found |= {str(c.value) for n in nodes for c in ast.walk(n) if isinstance(c, ast.Constant)}
+    return found
+
+
+def _id_is_made_of(ident: str, pieces: set[str]) -> bool:
+    """Whether `ident` is pieces joined by `-`, as pytest writes a parametrized id."""
+    ends = {0}
+    for i in range(1, len(ident) + 1):
+        if any(ident[j:i] in pieces and (i == len(ident) or ident[i] == "-") for j in ends):
+            ends.add(i + 1)
+    return len(ident) + 1 in ends
+
+
+def _cited_name_problem(path: Path, parts: list[str]) -> str:
+    """Why `Class::test[id]` (or `test[id]`) is not in the test file at `path`, or ""."""
+    tree = ast.parse(path.read_text())
+    scope: list[ast.stmt] = tree.body
+    for n, part in enumerate(parts):
+        name, _, ident = part.partition("[")
+        node = next((s for s in scope if isinstance(s, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                     and s.name == name), None)
+        if node is None:
+            return f"no {name} in it"
+        if isinstance(node, ast.ClassDef):
+            if n == len(parts) - 1:
+                return "" if name.startswith("Test") else f"{name} is not a test class"
+            scope = node.body
+            continue
+        if n != len(parts) - 1 or not name.startswith("test"):
+            return f"{name} is not a test"
+        if ident:
+            pieces = _param_strings(tree, node)
+            if pieces is not None and not _id_is_made_of(ident.rstrip("]"), pieces):
+                return f"{name} has no parameter id [{ident}"
+    return ""
+
+
+def stale_citations(lines) -> list[str]:
+    """Each test citation among (where, line) pairs that names a missing file, class, test or
+    parameter id: `tests/wing/test_x.py::test_a`, `test_x.py::Class::test_b[id]`, and a following
+    `::test_c` on the same line continuing the file cited before it."""
+    bad = []
+    for where, line in lines:
+        path = None
+        for m in CITATION.finditer(line):
+            if m.group(1):
+                path, why = _test_file(m.group(1))
+                if path is None:
+                    bad.append(f"{where}: {m.group(1)} ({why})")
+                    continue
+                parts = m.group(2)
+            elif path is None:
+                bad.append(f"{where}: {m.group(3)} (no test file cited before it on the line)")
+                continue
+            else:
+                parts = m.group(3)
+            if parts and (why := _cited_name_problem(path, parts[2:].split("::"))):
+                bad.append(f"{where}: {path.relative_to(ROOT)}{parts} ({why})")
+    return bad
 
 
 def test_cited_tests_exist():
-    """`test_x.py::test_name`, and a following `::test_other` on the same line (same file),
-    must name a test function of that file: a renamed or moved test leaves no dead citation."""
-    cite = re.compile(r"(test_\w+\.py)(?:::(\w+))?|`::(\w+)")
-    names: dict[str, set[str]] = {}
-    missing = []
-    for where, line in _lines():
-        file = None
-        for m in cite.finditer(line):
-            file = m.group(1) or file
-            name = m.group(2) or m.group(3)
-            if file is None or not name or not (ROOT / "tests" / file).exists():
-                continue  # a file of its own is test_quoted_files_exist's
-            if name not in names.setdefault(file, _test_names(file)):
-                missing.append(f"{where}: {file}::{name}")
-    assert not missing, missing
+    """Every test the README and docs cite exists: file, class, test and parameter id, so a
+    renamed or moved test leaves no dead citation."""
+    bad = stale_citations(_lines())
+    assert not bad, "\n".join(bad)
+
+
+def test_a_stale_citation_is_caught(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("ok: `tests/test_docs.py::test_cited_tests_exist`, `::test_readme_is_a_front_page`\n"
+                    "renamed: `tests/test_docs.py::test_cited_tests_exist`, `::test_no_such_thing`\n"
+                    "bare: `test_crash.py::test_no_such_crash`; moved: `tests/test_crash.py::test_x`\n"
+                    "id: `test_objstore_faults.py::test_store_stops_answering_mid_run[frozen]`\n"
+                    "id ok: `test_objstore_faults.py::test_store_stops_answering_mid_run[paused-sigterm]`\n"
+                    "class: `test_docs.py::TestNothing::test_a`\n"
+                    "orphan: `::test_cited_tests_exist`\n")
+    lines = [(f"page.md:{n}", line) for n, line in enumerate(page.read_text().splitlines(), 1)]
+    bad = stale_citations(lines)
+    assert [b.split(" (")[0] for b in bad] == [
+        "page.md:2: tests/test_docs.py::test_no_such_thing",
+        "page.md:3: tests/run/test_crash.py::test_no_such_crash",
+        "page.md:3: tests/test_crash.py",
+        "page.md:4: tests/store/test_objstore_faults.py::test_store_stops_answering_mid_run[frozen]",
+        "page.md:6: tests/test_docs.py::TestNothing::test_a",
+        "page.md:7: ::test_cited_tests_exist"], bad
 
 
 def test_quoted_overrides_are_config_fields():
