@@ -4,7 +4,7 @@ Owns: parsing the Qwen/Hermes format, `<tool_call>{"name": ..., "arguments": {..
 (several per reply possible), where a malformed call is a `CallError` value, never an exception
 (an env turns it into an error observation the policy learns from); rendering results as chat
 `tool` messages, and as raw text for a policy without a chat template. Does not own: running
-tools (`mcp_env`, `tool_tasks`) or a chat template's own rendering of messages (`tokenizer`).
+tools (`mcp`, `tool_tasks`) or a chat template's own rendering of messages (`tokenizer`).
 """
 
 from __future__ import annotations
