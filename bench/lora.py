@@ -120,10 +120,10 @@ def main(argv=None) -> int:
     full_mb, lora_mb = float(table[0][1]), float(table[1][1])
     print(f"bytes per publication: LoRA / full = {lora_mb / full_mb:.2%}")
     if args.shapes:
-        from async_rl.model import flops, lora
+        from async_rl.model import flops
         other = C.replace(C.load(args.shapes, []), learner={"lora_rank": args.rank, "lora_alpha": args.alpha})
         full_b = flops.param_count(other.model, other.model.vocab_size) * np.dtype(other.model.param_dtype).itemsize
-        lora_b = lora.adapter_count(other, other.model.vocab_size) * 4  # adapters are trained in fp32
+        lora_b = flops.adapter_count(other, other.model.vocab_size) * 4  # adapters are trained in fp32
         print(f"{args.shapes} (from shapes): {lora_b / 2**20:.1f} vs {full_b / 2**20:.1f} MiB per publication, "
               f"LoRA / full = {lora_b / full_b:.2%}")
     return 0

@@ -5,7 +5,7 @@ Owns: parsing the Qwen/Hermes format, `<tool_call>{"name": ..., "arguments": {..
 (an env turns it into an error observation the policy learns from); rendering results as chat
 `tool` messages, and as raw text for a policy without a chat template; describing an env's tools
 in a prompt (`describe_tools`, what `{tools}` in `tokenizer.system` becomes). Does not own: running
-tools (`mcp_env`, `tool_tasks`) or a chat template's own rendering of messages (`tokenizer`).
+tools (`mcp`, `tool_tasks`) or a chat template's own rendering of messages (`tokenizer`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns: the table (a value for every key, a pure function of `data.seed` and the key that only
 the tool reads), the task's prompts and answers (`data.task=lookup`; `data` streams them), and
 `LookupEnv` (`rollout.env=lookup`), which answers a well-formed `lookup` call in-process, with
-no server. Does not own: parsing calls (`tool_calls`), running env steps (`envs.EnvRunner`), or
+no server. Does not own: parsing calls (`tool_calls`), running env steps (`interface.EnvRunner`), or
 scoring the final reply (`rewards`: the task's reward is `exact_match` on the value).
 
 The prompt shows the exact call to make, so what the policy has to learn is to copy the call,

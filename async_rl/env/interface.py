@@ -4,7 +4,7 @@ Owns: loading `rollout.env` (a built-in name or `module:factory`) into an env ob
 step key (`StepKey`: run, prompt id, epoch, sample, turn, and its stable string), checking what
 a step returns (`StepResult`), and `EnvRunner`, which runs steps off the caller's thread, many at
 once, each under a timeout, with results collected by polling. Does not own: parsing tool calls
-(`tool_calls`), the built-in envs (`tool_tasks`, `mcp_env`), or keeping an episode's state
+(`tool_calls`), the built-in envs (`tool_tasks`, `mcp`), or keeping an episode's state
 across kills (the trainer's ledger, checkpoint and journal; see docs/envs-and-tools.md).
 
 An env object has `max_turns` (assistant turns per episode) and

@@ -4,7 +4,7 @@ Owns: the connection to the server (`rollout.mcp_server`: a streamable-HTTP URL,
 started as a stdio child of this process), checking at start-up that it answers, listing its tools, calling the ones a reply asks for
 with the step key in the request's `_meta`, and turning results and malformed calls into
 observations. Does not own: parsing calls (`tool_calls`) or running steps off the trainer's
-threads (`envs.EnvRunner`, whose event loop this env's coroutines run on).
+threads (`interface.EnvRunner`, whose event loop this env's coroutines run on).
 
 Every call of a step carries `_meta = {"idempotency_key": "<step key>#<i>", "step_key": "<step key>"}`
 (i: the call's index in the reply), so a server can make side effects idempotent: a step asked

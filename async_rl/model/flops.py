@@ -1,7 +1,8 @@
 """Parameter and FLOP counts: of the model, from its own parameter tree, and of one learner step.
 
 Owns: the parameter count by role (`param_counts`, read off `nnx.eval_shape` of the
-Transformer, so it is what the model holds whatever its options), the model FLOPs of one
+Transformer, so it is what the model holds whatever its options) and of a run's LoRA
+adapters (`adapter_count`), the model FLOPs of one
 learner step (`step_flops`: useful work only, no recomputation, no padding), and the FLOPs
 fused attention kernels perform (`kernel_flops`: what a cost model that cannot see inside
 them must add). Used by the start-up memory estimate (memory), `async-rl plan` and the
@@ -62,6 +63,19 @@ def param_counts(model: C.ModelConfig, vocab: int) -> Counts:
 
 def param_count(model: C.ModelConfig, vocab: int) -> int:
     return param_counts(model, vocab).total
+
+
+def adapter_count(cfg: C.Config, vocab: int) -> int:
+    """Adapter parameters of the run's LoRA (0 without), from the abstract model."""
+    from flax import nnx
+
+    from async_rl.model import lora
+    from async_rl.model.transformer import Transformer
+    sp = lora.spec(cfg)
+    if sp is None:
+        return 0
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0), lora=sp))
+    return sum(math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(nnx.state(abstract, lora.ADAPTERS)))
 
 
 def passes(cfg: C.Config) -> tuple[int, int]:

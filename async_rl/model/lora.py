@@ -92,16 +92,6 @@ def merged(base: nnx.State, adapters: nnx.State, scale: float) -> nnx.State:
     return nnx.from_flat_state(out)
 
 
-def adapter_count(cfg: Config, vocab: int) -> int:
-    """Adapter parameters of the run's LoRA (0 without), from the abstract model."""
-    from async_rl.model.transformer import Transformer
-    sp = spec(cfg)
-    if sp is None:
-        return 0
-    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0), lora=sp))
-    return sum(math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(nnx.state(abstract, ADAPTERS)))
-
-
 def adapter_bytes(adapters) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(adapters))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from async_rl.config import Config, ConfigError
-from async_rl.model.flops import param_count
+from async_rl.model.flops import adapter_count, param_count
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -38,8 +38,7 @@ def _lora_estimate(cfg: Config, vocab: int, n: int, p_bytes: int, c_bytes: int, 
     """LoRA: the frozen base (no moments, and the KL reference itself), fp32 adapters with
     Adam's moments, the engine's adapters; the engine's base is the learner's own buffers
     where it shares their devices and dtype (`Engine.adopt`), else a copy."""
-    from async_rl.model import lora
-    a = lora.adapter_count(cfg, vocab)
+    a = adapter_count(cfg, vocab)
     shared = cfg.mesh.engine_devices == 0 and p_bytes == c_bytes
     return {"frozen base": n * p_bytes, "adapters": a * 4, "optimizer": 2 * a * 4,
             "engine weights": (0 if shared else n * c_bytes) + a * c_bytes, "KV cache": kv}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,13 +63,6 @@ def report(parts: Parts, s: Session, log) -> RunResult:
         run_rows = [r for r in all_rows if r.get("step", 0) <= s.step]
         _report(cfg, res, run_rows or s.history, time.perf_counter() - s.t_start, log)
     return res
-
-
-
-def total_steps(cfg: Config, pd) -> int:
-    per_epoch = len(pd.prompt_ids)
-    data_steps = math.ceil(per_epoch * cfg.data.num_epochs / cfg.rollout.prompts_per_step)
-    return min(cfg.train.max_steps, data_steps) if cfg.train.max_steps else data_steps
 
 
 

@@ -30,12 +30,19 @@ from async_rl.obs.tensorboard import cut_events
 from async_rl.rollout.pump import Pump
 from async_rl.run.build import Parts, Start, resume_line
 from async_rl.run.evaluate import eval_slots, make_evaluator
-from async_rl.run.report import total_steps
 from async_rl.state import compat, reshard
 from async_rl.state.checkpoint import CheckpointWriteError, NonFiniteError
 from async_rl.state.layout import last_committed
 from async_rl.state.lineage import RunLogs
-from async_rl.store import remote_io, rundir, runfiles, storage
+from async_rl.store import remote_io, rundir, runfiles, runlock, storage
+
+
+def total_steps(cfg: Config, pd) -> int:
+    """The step the run ends at: where train.max_steps or the data (every epoch) ends it."""
+    per_epoch = len(pd.prompt_ids)
+    data_steps = math.ceil(per_epoch * cfg.data.num_epochs / cfg.rollout.prompts_per_step)
+    return min(cfg.train.max_steps, data_steps) if cfg.train.max_steps else data_steps
+
 
 # Evaluation on the pump's vLLM engine waits at most this long for it to load a step's weights
 # (at its next chunk; without rollout.partial, once its slots drain), seconds.
@@ -45,26 +52,53 @@ EVAL_WAIT_S = 600.0
 class Session:
     """The step loop and what it keeps between steps."""
 
-    def __init__(self, parts: Parts, start: Start, log, signals: sig.Signals, lock: rundir.RunLock | None = None):
-        cfg, pi = parts.cfg, jax.process_index()
+    def __init__(self, parts: Parts, start: Start, log, signals: sig.Signals, lock: runlock.RunLock | None = None):
+        cfg = parts.cfg
         self.parts, self.cfg, self.log, self.signals, self.lock = parts, cfg, log, signals, lock
-        self.pc, self.primary = jax.process_count(), pi == 0
+        self.pc, self.primary = jax.process_count(), jax.process_index() == 0
         self.learner, self.engine, self.ckpt = parts.learner, parts.engine, parts.ckpt
-        self.logs = RunLogs(parts.run_dir, rollouts=cfg.log.rollouts, tokenizer=parts.tok,
-                            process=pi, generation=len(parts.generations))
-        saved_logs = start.restored.ledger.header.get("logs") if start.restored else None
-        cut = self.logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
         self.ledger, self.state, self.step = start.ledger, start.state, start.step
-        if start.restored is not None:
-            log(resume_line(start.restored, self.ledger, cut))
-        elif cut:
-            log(f"starting at step 0: cut {cut} bytes of lineage written by an earlier start that committed no "
-                "checkpoint (its groups are drawn again)")
+        saved_logs = self._open_logs(start)
         self.checkpointed = rundir.durable(parts.run_dir)
         self.last_saved = start.step if start.restored else -1
         # LoRA: the learner passes its frozen base, which is the reference, itself
         self.ref_params = self.learner.init_params() if self.learner.use_ref and self.learner.lora is None else None
         self.engine_base = None  # LoRA: the base as the engine reads it, published once
+        self._open_metrics(start, saved_logs)
+        self._open_buffer()
+        self._start_rollout()
+        self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
+        self.clock = StepClock()
+        self.rates = Rates()
+        self.t_start = time.perf_counter()
+        self.history: list[dict] = []
+        self.pending = None  # (step, device metrics, host metrics) of the step before the one in flight
+        self.reason = "max_steps"
+        self.job_signalled = False  # some process of the job was signalled (agreed at a step boundary)
+        self.trained = 0  # steps trained by this process in this session
+        self.failed: BaseException | None = None  # this process's failure, kept for the next agreement
+        self.save_blocking_s: float | None = None
+        self._settle_runtime()
+
+    def _open_logs(self, start: Start) -> dict | None:
+        """This process's logs, cut back to the restored checkpoint's lengths (what they held
+        past it was not covered by it); the lengths the checkpoint saved, None on a fresh start."""
+        parts, log = self.parts, self.log
+        self.logs = RunLogs(parts.run_dir, rollouts=self.cfg.log.rollouts, tokenizer=parts.tok,
+                            process=jax.process_index(), generation=len(parts.generations))
+        saved_logs = start.restored.ledger.header.get("logs") if start.restored else None
+        cut = self.logs.cut_to(saved_logs, warn=lambda m: log(f"warning: {m}"))
+        if start.restored is not None:
+            log(resume_line(start.restored, self.ledger, cut))
+        elif cut:
+            log(f"starting at step 0: cut {cut} bytes of lineage written by an earlier start that committed no "
+                "checkpoint (its groups are drawn again)")
+        return saved_logs
+
+    def _open_metrics(self, start: Start, saved_logs: dict | None) -> None:
+        """The metrics sink (rows, TensorBoard, progress bar, W&B), cut back to the checkpoint's
+        step like the logs."""
+        cfg, parts, log = self.cfg, self.parts, self.log
         if self.primary and not storage.is_remote(parts.run_dir):
             dropped = cut_events(parts.run_dir / runfiles.TB, start.step)
             if dropped:
@@ -74,21 +108,30 @@ class Session:
                                 progress=cfg.log.progress and self.primary and sys.stderr.isatty(),
                                 every=cfg.log.every_steps, total_steps=self.last_step,
                                 start_step=start.step, console=log,
-                                process=pi,
+                                process=jax.process_index(),
                                 wandb=self._wandb(cfg, parts.run_dir, log) if cfg.log.wandb and self.primary else None)
         self.sink.cut(int(saved_logs.get("metrics_bytes", 0)) if saved_logs else 0)
+
+    def _open_buffer(self) -> None:
+        """The sampler over the ledger and the rollout journal, with the groups it restores."""
+        cfg, parts = self.cfg, self.parts
         self.sampler = make_sampler(cfg, self.ledger, Hooks(on_filtered=self._on_filtered,
                                                             on_regenerated=lambda g, s: self.logs.regenerated(s, g)),
                                     groups_per_step=parts.local_pps)
         self.stop_ids = frozenset(getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)))
         self.journal = journal_mod.open_journal(
-            cfg, parts.run_dir, step=self.step, process_index=pi, process_count=self.pc,
-            stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=log, drop=self.logs.drops.append,
+            cfg, parts.run_dir, step=self.step, process_index=jax.process_index(), process_count=self.pc,
+            stop_ids=getattr(parts.tok, "stop_ids", (parts.tok.eos_id,)), log=self.log, drop=self.logs.drops.append,
             generation=len(parts.generations))
         self.journal_compacted = self.step  # newest committed checkpoint the journal was compacted to
         self.pruned = self.step  # newest save after which old checkpoint steps were deleted
         if self.journal is not None and (line := self.journal.restore(self.ledger, self.sampler, self.step)):
-            log(line)
+            self.log(line)
+
+    def _start_rollout(self) -> None:
+        """The engine with this step's weights, the rollout backend over it, the pump that feeds
+        the ledger, and the evaluator (process 0)."""
+        cfg, parts, log = self.cfg, self.parts, self.log
         params_e = self.engine_params()
         self.engine.update_params(params_e, self.step)
         rollout = self.engine
@@ -110,18 +153,10 @@ class Session:
                                         run_dir=parts.run_dir, env=parts.env) if self.primary else None
         if self.evaluator is not None:
             log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
-        self.evaluated = start.step  # evals live in metrics rows: a resumed run does not repeat one it kept
         self.params_e = params_e
-        self.clock = StepClock()
-        self.rates = Rates()
-        self.t_start = time.perf_counter()
-        self.history: list[dict] = []
-        self.pending = None  # (step, device metrics, host metrics) of the step before the one in flight
-        self.reason = "max_steps"
-        self.job_signalled = False  # some process of the job was signalled (agreed at a step boundary)
-        self.trained = 0  # steps trained by this process in this session
-        self.failed: BaseException | None = None  # this process's failure, kept for the next agreement
-        self.save_blocking_s: float | None = None
+
+    def _settle_runtime(self) -> None:
+        """The interpreter settings the loop runs under (`close` puts the switch interval back)."""
         # The pump thread is mostly Python between engine calls; a shorter GIL switch interval
         # keeps it from starving Orbax's commit thread (figures: docs/benchmarks.md).
         self._switch = sys.getswitchinterval()

@@ -37,7 +37,7 @@ from async_rl.obs.metrics import host_metrics, read_jsonl
 from async_rl.run.build import build, choose_start, compilation_cache, object_store_config, store_failed, take
 from async_rl.run.report import RunResult, report
 from async_rl.run.session import Session
-from async_rl.store import remote_io, rundir, runfiles, storage
+from async_rl.store import remote_io, rundir, runfiles, runlock, storage
 
 # Evaluation on the pump's vLLM engine waits at most this long for it to load a step's weights
 # (at its next chunk; without rollout.partial, once its slots drain), seconds.
@@ -71,7 +71,7 @@ def _train(cfg: Config, log, signals: sig.Signals) -> RunResult:
     if cfg.log.wandb:
         from async_rl.obs.wandb_log import check_installed
         check_installed()
-    lock = rundir.run_lock(run_dir, jax.process_index(), cfg.run.lease_s)
+    lock = runlock.run_lock(run_dir, jax.process_index(), cfg.run.lease_s)
     lock.ensure_free(run_dir)
     if remote:  # a lease is held before the run is read: no other holder commits after the choice
         lock.acquire(run_dir)

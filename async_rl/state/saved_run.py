@@ -8,7 +8,7 @@ item of each newer step skipped; `--step N` naming a damaged or missing step is 
 (exit 2). A live run's keep-N cleanup may delete a step while it is read: the reader holds the
 step by hard-linking its files into a directory beside the run (when it can), and a read that
 fails because the step went away is retried on the newest committed step. Does not own: the
-layout (ckpt_layout), the digests and readers (checkpoint), what the commands do with what
+layout (layout), the digests and readers (checkpoint), what the commands do with what
 they read.
 """
 

@@ -4,7 +4,7 @@ Owns: the versioned read and conditional replace of one object (GCS generation, 
 the lease built on them (`LeaseLock`: create, renew, release, take over), the holder's
 check before each batch of writes (registered with `storage` as the write guard of the run
 directory), and the hold-off that keeps a new holder from reading where to resume while an
-old one may still write. Does not own: the local flock (rundir.RunLock), or what stops when
+old one may still write. Does not own: the local flock (runlock.RunLock), or what stops when
 the lease is lost (train).
 
 See docs/design.md, "Run directories on object storage".
@@ -21,7 +21,7 @@ import uuid
 
 from async_rl.store import applog, remote_io, runfiles, storage
 from async_rl.store.remote_io import StorageError
-from async_rl.store.rundir import LockLostError, RunDirError, history
+from async_rl.store.rundir import LockLostError, RunDirError, history, storage_error
 
 # A new holder reads nothing of the run until this many leases have passed since it saw
 # the lease absent or stale: an old holder stops writing one lease after its last renewal,
@@ -243,7 +243,6 @@ class LeaseLock:
             raise RunDirError(f"run.dir={str(run_dir)!r}: cannot take the run lock {self.path} ({e.why}); nothing "
                               "was changed") from None
         except OSError as e:
-            from async_rl.store.rundir import storage_error
             raise storage_error(self.path, e, "taking the run lock") from None
         self._renewed, self._settle_at = t, settle
         storage.guard(self.run_dir, self.check)

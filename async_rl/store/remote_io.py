@@ -47,6 +47,7 @@ class StorageError(RunFailure):
 
 class _State:
     configured = False
+    settings = 0  # how many times the bound was set: a filesystem made under an earlier one is made again
     timeout_s = DEFAULT_TIMEOUT_S
     abandoned: str | None = None  # why every call now fails at once
     failing_since: float | None = None  # the first call to fail unanswered since the store last answered
@@ -74,8 +75,13 @@ def configure(timeout_s: float) -> None:
         if k not in _USER_ENV:
             os.environ[k] = v
     _apply()
-    from async_rl.store import storage
-    storage._fs.cache_clear()
+    _S.settings += 1
+
+
+def settings() -> int:
+    """Which setting of the bound is current: the filesystems a caller keeps are made again
+    when it changes (their clients read the timeouts when they are made)."""
+    return _S.settings
 
 
 def ensure() -> None:

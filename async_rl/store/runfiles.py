@@ -25,7 +25,7 @@ WANDB_STATE = "wandb.json"  # the W&B run id and the last step it holds (log.wan
 WANDB = "wandb"  # W&B's own folder of session files
 WANDB_TMP = "wandb/tmp"  # W&B's temporary files and caches of the session (emptied at each start)
 TB = "tb"  # TensorBoard event files
-CHECKPOINTS = "checkpoints"  # Orbax's step folders (ckpt_layout names what is inside)
+CHECKPOINTS = "checkpoints"  # Orbax's step folders (state.layout names what is inside)
 DAMAGED = "damaged"  # checkpoint steps that failed verification, set aside as step_<n>_<time>
 PREVIOUS = "previous"  # earlier histories moved aside by run.resume=restart, one <time> folder each
 JOURNAL = "journal"  # the rollout journal: one folder p<i> per process of <seq>.jrn segments

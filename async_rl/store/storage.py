@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from async_rl.config import ConfigError
+from async_rl.store import remote_io
 
 # scheme -> (the optional extra that brings its client, the module that must import)
 BACKENDS = {"gs": ("gcs", "gcsfs"), "s3": ("s3", "s3fs")}
@@ -60,7 +61,8 @@ def url(p) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _fs(name: str):
+def _fs(name: str, settings: int):
+    """One filesystem per scheme and setting of the bound (`remote_io.settings`)."""
     extra, module = BACKENDS[name]
     try:
         __import__(module)
@@ -70,7 +72,6 @@ def _fs(name: str):
     import fsspec
     import fsspec.config
 
-    from async_rl.store import remote_io
     remote_io.ensure()  # every call bounded and named (run.storage_timeout_s)
     # listings are read fresh: another process (or host) may have written since. A config
     # default (applied by every class whose protocols include `name`) reaches the instances
@@ -84,7 +85,7 @@ def filesystem(p):
     name = scheme(p)
     if name is None:
         raise ValueError(f"{p}: not an object-store URL")
-    return _fs(name)
+    return _fs(name, remote_io.settings())
 
 
 def tensorstore_kvstore(p) -> dict:
@@ -103,7 +104,6 @@ def tensorstore_kvstore(p) -> dict:
     region = _aws_region()
     if region:
         spec["aws_region"] = region
-    from async_rl.store import remote_io
     spec["context"] = {"s3_request_retries": remote_io.tensorstore_retries()}  # bounded by run.storage_timeout_s
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         # the keys the default chain would take first; naming their provider skips its profile

@@ -181,13 +181,12 @@ def test_each_publication_moves_only_the_adapters_and_the_engine_runs_them(tmp_p
 # ---- memory and publication size -------------------------------------------------------------
 
 def test_an_8b_lora_needs_a_frozen_base_and_adapter_moments_only_and_publishes_under_2_percent():
-    from async_rl.model import lora
-    from async_rl.model.flops import param_count
+    from async_rl.model.flops import adapter_count, param_count
     from async_rl.plan import memory
     lcfg = C.load("configs/plan/llama3-8b-lora.yaml")
     full = C.replace(lcfg, learner={"lora_rank": 0})
     vocab = lcfg.model.vocab_size
-    n, a = param_count(lcfg.model, vocab), lora.adapter_count(lcfg, vocab)
+    n, a = param_count(lcfg.model, vocab), adapter_count(lcfg, vocab)
     # rank 16 on q, k, v, o, gate, up, down of 32 layers: r (d_in + d_out) each
     assert a == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)
     assert a / n < 0.02  # what each publication moves, against the full weights

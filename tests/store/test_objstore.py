@@ -14,7 +14,7 @@ from objstore import TINY, last_step, train_proc, wait_past
 
 from async_rl.state import orbax_patch
 from async_rl.state.layout import committed_steps, temporary_path_class
-from async_rl.store import applog, lease, remote_io, rundir, storage
+from async_rl.store import applog, lease, remote_io, rundir, runlock, storage
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +158,7 @@ def test_missing_extra_is_one_line_exit_2(tmp_path, scheme, extra):
 def test_lease_has_one_winner(bucket):
     """Eight contenders at once: the conditional create lets exactly one hold the run."""
     run = storage.run_path(f"{bucket}/run")
-    locks = [rundir.run_lock(run, 0, lease_s=30) for _ in range(8)]
+    locks = [runlock.run_lock(run, 0, lease_s=30) for _ in range(8)]
     results = [None] * 8
     barrier = threading.Barrier(8)
 
@@ -188,11 +188,11 @@ HOLD = """
 import sys, time, types
 from async_rl.store import lease
 from async_rl.store import remote_io
-from async_rl.store import rundir
+from async_rl.store import runlock
 from async_rl.store import storage
 {prelude}
 run = storage.run_path(sys.argv[1])
-lock = rundir.run_lock(run, 0, lease_s=float(sys.argv[2]))
+lock = runlock.run_lock(run, 0, lease_s=float(sys.argv[2]))
 lock.acquire(run)
 print("held", flush=True)
 time.sleep(120)
@@ -211,21 +211,21 @@ def test_lease_renewed_refused_then_taken_over(bucket):
         deadline = time.monotonic() + 5  # 2.5 leases
         while time.monotonic() < deadline:
             with pytest.raises(rundir.RunDirError, match=f"in use by pid {holder.pid} on host"):
-                rundir.run_lock(run, 0, lease_s=2).acquire(run)
+                runlock.run_lock(run, 0, lease_s=2).acquire(run)
             time.sleep(0.5)
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    lock = rundir.run_lock(run, 0, lease_s=2)
+    lock = runlock.run_lock(run, 0, lease_s=2)
     lock.acquire(run)  # at once: the holder's process is gone
     lock.release()
 
     doc = {"pid": 1, "host": "elsewhere", "started": time.time(), "renewed": time.time(), "token": "x", "lease_s": 2}
     storage.write_atomic(run / ".lock", json.dumps(doc))
     with pytest.raises(rundir.RunDirError, match="in use by pid 1 on host elsewhere"):
-        rundir.run_lock(run, 0, lease_s=2).ensure_free(run)
+        runlock.run_lock(run, 0, lease_s=2).ensure_free(run)
     time.sleep(2.5)
-    lock = rundir.run_lock(run, 0, lease_s=2)
+    lock = runlock.run_lock(run, 0, lease_s=2)
     lock.acquire(run)
     assert json.loads(storage.read_text(run / ".lock"))["pid"] == os.getpid()
     lock.release()
@@ -252,7 +252,7 @@ def test_lease_of_a_holder_whose_clock_is_behind_is_not_taken(bucket):
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
         with pytest.raises(rundir.RunDirError, match="in use by pid [0-9]+ on host elsewhere"):
-            rundir.run_lock(run, 0, lease_s=2).acquire(run)
+            runlock.run_lock(run, 0, lease_s=2).acquire(run)
         assert time.monotonic() - t0 < 5
         assert json.loads(storage.read_text(run / ".lock"))["pid"] == holder.pid
     finally:
@@ -264,7 +264,7 @@ def test_lease_taken_away_stops_the_holder(bucket):
     """A holder whose lease another writer replaced learns it at its next renewal and stops
     at its next step boundary (LockLostError), writing nothing more."""
     run = storage.run_path(f"{bucket}/run")
-    lock = rundir.run_lock(run, 1, lease_s=1.5)
+    lock = runlock.run_lock(run, 1, lease_s=1.5)
     lock.acquire(run)
     try:
         assert storage.exists(run / ".lock.p1")

@@ -17,7 +17,7 @@ from objstore import GCS_ENV, TINY, GcsServer, new_bucket, pointed_at, train_pro
 from async_rl.run import cli
 from async_rl.state import orbax_patch
 from async_rl.state.layout import committed_steps
-from async_rl.store import remote_io, rundir, storage
+from async_rl.store import remote_io, rundir, runlock, storage
 
 
 @pytest.fixture(autouse=True)
@@ -85,11 +85,11 @@ def test_lease_deleted_under_a_live_run(scheme, request, xla_cache, capsys):
 
 HOLD_AND_PRUNE = """
 import sys
-from async_rl.store import rundir
+from async_rl.store import rundir, runlock
 from async_rl.store import storage
 from async_rl.state.checkpoint import Checkpointer
 run = storage.run_path(sys.argv[1])
-lock = rundir.run_lock(run, 0, lease_s=2)
+lock = runlock.run_lock(run, 0, lease_s=2)
 lock.acquire(run)
 ckpt = Checkpointer(run / "checkpoints", keep=1, async_save=False)
 ckpt.open()
@@ -117,7 +117,7 @@ def test_a_paused_holder_deletes_nothing_after_its_lease_was_taken(bucket):
         assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-2000:]
         holder.send_signal(signal.SIGSTOP)
         time.sleep(2.5)  # past its lease
-        taker = rundir.run_lock(run, 0, lease_s=2)
+        taker = runlock.run_lock(run, 0, lease_s=2)
         taker.acquire(run)  # watched unchanged for HOLD_OFF leases, then taken
         try:
             holder.stdin.write("go\n")  # it prunes the moment it runs again, racing its heartbeat
@@ -274,7 +274,7 @@ def test_lease_renewal_that_finds_it_gone_is_lost(bucket):
     run = storage.run_path(f"{bucket}/run")
     # renewed every 2 s: the deletion is found by a renewal long before the lease could expire
     # by the holder's own clock (a loaded host delays renewals), which would stop it for that instead
-    lk = rundir.run_lock(run, 0, lease_s=6)
+    lk = runlock.run_lock(run, 0, lease_s=6)
     lk.acquire(run)
     storage.remove(run / ".lock")  # as another process would
     try:
