@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,6 @@ from async_rl.model import sharding
 from async_rl.plan import memory
 from async_rl.rollout.engine import Engine
 from async_rl.run.evaluate import build_eval_set
-from async_rl.run.report import total_steps
 from async_rl.state import reshard
 from async_rl.state.checkpoint import Checkpointer, CheckpointError, DamagedStep, Restored
 from async_rl.store import remote_io, rundir, runfiles, storage
@@ -281,6 +281,13 @@ def resume_line(restored, ledger: Ledger, cut: int) -> str:
             f"iterator at ordinal {ledger.next_ordinal}" + (" (exhausted)" if ledger.exhausted else "")
             + (f"; cut {cut} bytes of lineage written after it" if cut else ""))
 
+
+
+def total_steps(cfg: Config, pd) -> int:
+    """The step the run ends at: where train.max_steps or the data (every epoch) ends it."""
+    per_epoch = len(pd.prompt_ids)
+    data_steps = math.ceil(per_epoch * cfg.data.num_epochs / cfg.rollout.prompts_per_step)
+    return min(cfg.train.max_steps, data_steps) if cfg.train.max_steps else data_steps
 
 
 def announce_drops(cfg: Config, pd, log) -> None:

@@ -28,21 +28,13 @@ from async_rl.model import sharding
 from async_rl.obs.metrics import MetricsSink, Rates, StepClock
 from async_rl.obs.tensorboard import cut_events
 from async_rl.rollout.pump import Pump
-from async_rl.run.build import Parts, Start, resume_line
+from async_rl.run.build import Parts, Start, resume_line, total_steps
 from async_rl.run.evaluate import eval_slots, make_evaluator
 from async_rl.state import compat, reshard
 from async_rl.state.checkpoint import CheckpointWriteError, NonFiniteError
 from async_rl.state.layout import last_committed
 from async_rl.state.lineage import RunLogs
 from async_rl.store import remote_io, rundir, runfiles, runlock, storage
-
-
-def total_steps(cfg: Config, pd) -> int:
-    """The step the run ends at: where train.max_steps or the data (every epoch) ends it."""
-    per_epoch = len(pd.prompt_ids)
-    data_steps = math.ceil(per_epoch * cfg.data.num_epochs / cfg.rollout.prompts_per_step)
-    return min(cfg.train.max_steps, data_steps) if cfg.train.max_steps else data_steps
-
 
 # Evaluation on the pump's vLLM engine waits at most this long for it to load a step's weights
 # (at its next chunk; without rollout.partial, once its slots drain), seconds.
