@@ -60,6 +60,7 @@ def check_usable(path: Path) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == p else f"cannot be created, {str(probe)!r} is not writable"
         raise RunDirError(f"run.dir={str(path)!r}: {what}")
+    storage.refuse_links(p)  # before anything in it is read for a resume, cut or moved
 
 
 # A start-up probe of the store gets this long: nothing is at stake yet, so a store that does
@@ -305,7 +306,7 @@ class RunLock:
     def _take_file(self, run_dir: Path) -> None:
         existed = self.path.exists()
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = storage.open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise storage_error(self.path, e, "taking the run lock") from None
         try:
