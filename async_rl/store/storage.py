@@ -257,9 +257,11 @@ def no_link(p) -> None:
         raise SymlinkRefused(p)
 
 
-def refuse_links(root, depth: int = SCAN_DEPTH) -> None:
+def refuse_links(root, depth: int = SCAN_DEPTH, opaque: tuple = ()) -> None:
     """SymlinkRefused naming the first symbolic link found within `depth` levels under local
-    folder `root` (not `root` itself), before anything in it is written."""
+    folder `root` (not `root` itself), before anything in it is written. Folders named in
+    `opaque` (directly under `root`) are checked themselves, not looked into: another
+    program's own (W&B links its latest run there)."""
     if is_remote(root):
         return
     todo = [(os.fspath(root), depth)]
@@ -272,7 +274,7 @@ def refuse_links(root, depth: int = SCAN_DEPTH) -> None:
         for e in entries:
             if e.is_symlink():
                 raise SymlinkRefused(Path(e.path))
-            if left > 1 and e.is_dir(follow_symlinks=False):
+            if left > 1 and e.is_dir(follow_symlinks=False) and not (left == depth and e.name in opaque):
                 todo.append((e.path, left - 1))
 
 

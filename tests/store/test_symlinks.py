@@ -131,3 +131,12 @@ def test_a_linked_step_folder_is_named_by_every_reader(tmp_path):
         committed_steps(run / runfiles.CHECKPOINTS)
     assert str(run / "checkpoints/3") in str(e.value) and "\n" not in str(e.value)
     assert (outside / "t" / "f").read_bytes() == BYTES
+
+
+def test_links_wandb_makes_in_its_own_folder_are_left_alone(tmp_path):
+    """W&B links `wandb/latest-run` and `wandb/debug.log` itself: a resume of a W&B run passes."""
+    run = tmp_path / "run"
+    (run / runfiles.WANDB / "run-1" / "logs").mkdir(parents=True)
+    (run / runfiles.WANDB / "latest-run").symlink_to("run-1")
+    (run / runfiles.WANDB / "debug.log").symlink_to("run-1/logs/debug.log")
+    rundir.check_usable(run)
