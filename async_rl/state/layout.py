@@ -70,6 +70,7 @@ def committed_steps(ckpt_dir: str | Path) -> list[int]:
         d, names = Path(ckpt_dir), _NAMES
         if not d.is_dir():
             return []
+        storage.refuse_links(d, depth=2)  # a linked step folder (or item) is named, not followed
         d = epath.Path(d.absolute())
     try:
         return sorted(m.step for m in names.find_all(d))

@@ -76,6 +76,7 @@ def has_bytes(p) -> bool:
 def cut(p, nbytes: int) -> int:
     """Cuts log `p` back to its first `nbytes`; returns the bytes cut."""
     if not storage.is_remote(p):
+        storage.no_link(p)  # never cut a file elsewhere through a link
         before = size(p)
         if before > nbytes:
             os.truncate(p, nbytes)  # fsspec has no truncate: the file is cut in place
@@ -129,7 +130,7 @@ class AppendLog:
             # appends, exclusive create and fdatasync are POSIX file semantics fsspec does not
             # offer: a local log stays a plain file descriptor
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if new else 0)
-            self._fd = os.open(self.path, flags, 0o644)
+            self._fd = storage.open_no_follow(self.path, flags)
             self._new_entry = new
 
     @property

@@ -57,6 +57,7 @@ def check_usable(path: Path) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == p else f"cannot be created, {str(probe)!r} is not writable"
         raise RunDirError(f"run.dir={str(path)!r}: {what}")
+    storage.refuse_links(p, opaque=(runfiles.WANDB,))  # before anything in it is read for a resume, cut or moved
 
 
 # A start-up probe of the store gets this long: nothing is at stake yet, so a store that does

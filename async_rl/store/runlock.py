@@ -103,7 +103,7 @@ class RunLock:
     def _take_file(self, run_dir: Path) -> None:
         existed = self.path.exists()
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = storage.open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise storage_error(self.path, e, "taking the run lock") from None
         try:

@@ -19,6 +19,7 @@ See docs/design.md, "Run directories on object storage".
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 from pathlib import Path
@@ -32,6 +33,20 @@ BACKENDS = {"gs": ("gcs", "gcsfs"), "s3": ("s3", "s3fs")}
 
 class MissingExtra(ConfigError):
     """An object-store run.dir whose client library is not installed (exit 2)."""
+
+
+class SymlinkRefused(ConfigError):
+    """An entry inside a local run.dir is a symbolic link (exit 2): the run writes only its own
+    files, never through a link to a file elsewhere; nothing was changed."""
+
+    def __init__(self, p):
+        try:
+            target = f" (-> {os.readlink(p)})"
+        except OSError:
+            target = ""
+        super().__init__(f"{p}{target}: is a symbolic link inside run.dir; the run writes, truncates and moves "
+                         "its files in place and never through a link: replace it with a real file or folder or "
+                         "remove it (nothing was changed)")
 
 
 def scheme(p) -> str | None:
@@ -230,6 +245,49 @@ def check_write(p) -> None:
                 check()
 
 
+# Inside a local run directory every entry a write reaches is the run's own: a symbolic link
+# (to a file outside it, say) is refused, not followed. The run directory itself and its
+# parents may be links (a run kept on another disk); object stores have no links.
+SCAN_DEPTH = 3  # levels below run.dir `refuse_links` looks at (checkpoints/<step>/<item>)
+
+
+def no_link(p) -> None:
+    """SymlinkRefused where local path `p` is a symbolic link."""
+    if not is_remote(p) and os.path.islink(p):
+        raise SymlinkRefused(p)
+
+
+def refuse_links(root, depth: int = SCAN_DEPTH, opaque: tuple = ()) -> None:
+    """SymlinkRefused naming the first symbolic link found within `depth` levels under local
+    folder `root` (not `root` itself), before anything in it is written. Folders named in
+    `opaque` (directly under `root`) are checked themselves, not looked into: another
+    program's own (W&B links its latest run there)."""
+    if is_remote(root):
+        return
+    todo = [(os.fspath(root), depth)]
+    while todo:
+        folder, left = todo.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            if e.is_symlink():
+                raise SymlinkRefused(Path(e.path))
+            if left > 1 and e.is_dir(follow_symlinks=False) and not (left == depth and e.name in opaque):
+                todo.append((e.path, left - 1))
+
+
+def open_no_follow(p, flags: int, mode: int = 0o644) -> int:
+    """os.open of a local file that refuses (SymlinkRefused) rather than follows a link at `p`."""
+    try:
+        return os.open(p, flags | os.O_NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EEXIST) and os.path.islink(p):  # EEXIST: O_EXCL
+            raise SymlinkRefused(p) from None
+        raise
+
+
 # write_atomic, create and move keep a local directory on os calls: an atomic rename and an
 # O_EXCL create are the point there, and fsspec's local filesystem promises neither.
 
@@ -242,6 +300,7 @@ def write_atomic(p, data: bytes | str) -> None:
         filesystem(p).pipe_file(url(p), data)  # one PUT: the object appears whole
         return
     p = Path(p)
+    no_link(p)
     tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
     try:
         tmp.write_bytes(data)
@@ -262,6 +321,7 @@ def create(p, data: bytes) -> bool:
             return False
         return True
     p = Path(p)
+    no_link(p)
     tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
     tmp.write_bytes(data)
     try:  # written whole first, then linked in: the link fails where `p` exists
@@ -277,6 +337,7 @@ def remove(p) -> None:
     """Deletes file `p` (nothing where it is gone already)."""
     fs, where = locate(p)
     check_write(p)
+    no_link(p)
     try:
         fs.rm_file(where)
     except FileNotFoundError:
@@ -286,6 +347,7 @@ def remove(p) -> None:
 def mkdirs(p) -> None:
     """A directory for `p` (object stores have none: nothing to do)."""
     if not is_remote(p):
+        no_link(p)
         fs, where = locate(p)
         fs.makedirs(where, exist_ok=True)
 
@@ -296,6 +358,8 @@ def move(src, dst) -> None:
         check_write(src)
         filesystem(src).mv(url(src), url(dst), recursive=True)
     else:
+        no_link(src)
+        no_link(dst)
         os.replace(src, dst)
 
 

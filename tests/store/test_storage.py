@@ -28,6 +28,18 @@ def tmpfs(path, size="30m"):
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
+@contextlib.contextmanager
+def bind(src, dst):
+    """`src` mounted over `dst` (a file or folder), unmounted at the end."""
+    r = subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        pytest.skip(f"a bind mount cannot be made here ({r.stderr.strip()})")
+    try:
+        yield dst
+    finally:
+        subprocess.run(["umount", "-l", str(dst)], capture_output=True, timeout=30)
+
+
 def fill(fs) -> int:
     """Writes a filler file until the filesystem has no byte left; returns its size."""
     fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -100,17 +112,22 @@ WRITERS = {"tensorboard": ("tb", ["log.tensorboard=true", "log.every_steps=1"]),
 @pytest.mark.soak
 @pytest.mark.parametrize("writer", sorted(WRITERS))
 def test_each_writer_on_a_full_disk(tmp_path, xla_cache, writer):
-    """One writer's file (or folder) on a full tmpfs through a symlink, the rest on a disk with
+    """One writer's file (or folder) on a full tmpfs, bind-mounted in place (run.dir refuses
+    symbolic links), the rest on a disk with
     room: that writer's first write fails. Exit 1 with one error line naming it (the journal:
     one warning, it turns itself off, training goes on); the next start resumes."""
     name, extra = WRITERS[writer]
     run = tmp_path / "run"
     run.mkdir()
-    with tmpfs(tmp_path / "fs", size="4m") as fs:
-        target = fs / name
+    with tmpfs(tmp_path / "fs", size="4m") as fs, contextlib.ExitStack() as stack:
+        target, spot = fs / name, run / name
         if "." not in name:
             target.mkdir()
-        (run / name).symlink_to(target)
+            spot.mkdir()
+        else:
+            target.touch()
+            spot.touch()
+        stack.enter_context(bind(target, spot))
         fill(fs)
         args = (*BASE, *extra)
         r = run_cli(run, *args, cache=xla_cache, timeout=300)
