@@ -136,5 +136,5 @@ def test_non_finite_starting_weights_name_no_checkpoint(tmp_path, capsys):
     code, err = train_cli(capsys, tmp_path / "run", *file_run(data, f"model.hf_path={model}", "train.max_steps=1"))
     line = the_error(err)
     assert code == 1 and line.startswith("error: step 1: learner/") and "training diverged; the starting weights " \
-        "already give it (model.hf_path may hold NaN or inf); stopped without saving it (no checkpoint was " \
-        "committed)" in line, line
+        "already give it (model.hf_path may hold NaN or inf); its update was not applied and the step not saved " \
+        "(no checkpoint was committed)" in line, line
