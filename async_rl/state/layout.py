@@ -33,7 +33,8 @@ _NAMES = ocp.path.step.standard_name_format()  # the CheckpointManager's default
 class _LeasedCommit(ocp.path.atomicity.CommitFileTemporaryPath):
     """Object stores have no rename: Orbax writes the step in place and records its commit in a
     file (its default on gs://; on s3:// its default rename would be a copy). Its `finalize`,
-    with the lease checked (`storage.check_write`) right before the commit record is written,
+    with the lease checked (`storage.check_write`: the holder's clock and the lease object read
+    back, `lease.LeaseLock.guard`) right before the commit record is written,
     after the metadata update that may wait on the store: a run that lost its lease never
     commits a step after another holder chose where to resume."""
 

@@ -1,11 +1,11 @@
 """The run lock on an object store: a lease object, and the writes it fences.
 
 Owns: the versioned read and conditional replace of one object (GCS generation, S3 ETag),
-the lease built on them (`LeaseLock`: create, renew, release, take over), the holder's
-check before each batch of writes (registered with `storage` as the write guard of the run
-directory), and the hold-off that keeps a new holder from reading where to resume while an
-old one may still write. Does not own: the local flock (runlock.RunLock), or what stops when
-the lease is lost (train).
+the lease built on them (`LeaseLock`: create, renew, release, take over; an epoch per
+holder), the holder's guard before each write (its clock, and the lease object read back:
+registered with `storage` as the write guard of the run directory), and the hold-off that
+keeps a new holder from reading where to resume while an old one may still write. Does not
+own: the local flock (runlock.RunLock), or what stops when the lease is lost (train).
 
 See docs/design.md, "Run directories on object storage".
 """
@@ -116,20 +116,28 @@ def _gcs_blob(p):
     return _gcs["client"].bucket(bucket).blob(key)
 
 
+def _epoch(doc: dict) -> int:
+    """A lease record's epoch (0: written before leases had one)."""
+    e = doc.get("epoch", 0)
+    return e if isinstance(e, int) and not isinstance(e, bool) and e >= 0 else 0
+
+
 class LeaseLock:
     """The run lock on an object store, which has no flock: a lease object (`.lock`, or
     `.lock.p<i>` for process i > 0) naming its holder (pid, host, start time, a random
     token) and when it was last renewed. It is created with a conditional create (GCS
     `ifGenerationMatch=0`, S3 `If-None-Match: *`: one winner), renewed every third of
     `lease_s` by a heartbeat thread with a conditional replace of the version it last wrote,
-    and released by replacing it with a released record. A renewal that finds it changed,
+    and released by replacing it with a released record. Each holder has an epoch, one more
+    than the lease it took over (1 where it found none). A renewal that finds it changed,
     missing or unreadable loses it; the holder also stops trusting it once its last
     successful renewal is `lease_s` old by its own monotonic clock. Every write under the run
-    directory checks both first (`check`, the storage write guard), so a holder that lost it
-    writes nothing more. A stale lease is taken only once it stayed unchanged for HOLD_OFF
-    leases (at once where its holder's process is gone from this host); a missing one in a
-    directory with history is taken at once, but the run is read only HOLD_OFF leases later
-    (`settle`)."""
+    directory checks both first (`check`), then reads the lease object itself (`fence`: still
+    this holder's token and epoch), then the clock again: that is the storage write guard, so a
+    holder that lost it writes nothing more, even one whose clock missed a pause. A stale
+    lease is taken only once it stayed unchanged for HOLD_OFF leases (at once where its
+    holder's process is gone from this host); a missing one in a directory with history is
+    taken at once, but the run is read only HOLD_OFF leases later (`settle`)."""
 
     def __init__(self, run_dir, process_index: int = 0, lease_s: float = 60.0):
         self.run_dir = run_dir
@@ -227,6 +235,7 @@ class LeaseLock:
             raise self._refusal(run_dir, got[0])
         if got is not None and not got[0].get("released") and not self._gone(got[0]):
             got = self._watch(got, run_dir, seen)
+        self._doc["epoch"] = _epoch(got[0]) + 1 if got is not None else 1
         # absent from a directory with history: deleted under a live holder (a release leaves
         # a record): take it now, read the run only once that holder must have stopped
         settle = seen + HOLD_OFF * self.lease_s if got is None and self._had_holder() else 0.0
@@ -245,7 +254,7 @@ class LeaseLock:
         except OSError as e:
             raise storage_error(self.path, e, "taking the run lock") from None
         self._renewed, self._settle_at = t, settle
-        storage.guard(self.run_dir, self.check)
+        storage.guard(self.run_dir, self.guard)
         self._start_heartbeat()
 
     def _had_holder(self) -> bool:
@@ -316,6 +325,30 @@ class LeaseLock:
                               "anything more (the last committed checkpoint step is intact)")
         if self._lost:
             raise LockLostError(self._lost)
+
+    def fence(self) -> None:
+        """LockLostError unless the lease object still names this holder (its token and epoch),
+        read from the store now: a holder whose clock or heartbeat missed a takeover (its host
+        suspended, say) learns of it here, before its write."""
+        if self._lost:
+            raise LockLostError(self._lost)
+        got = self._read()  # a store that does not answer: StorageError, as for the write itself
+        if got is None:
+            self._lose("deleted")
+        elif got[0].get("token") != self._doc.get("token"):
+            self._lose(f"taken over by {self._describe(got[0])} as epoch {_epoch(got[0])} (this run held "
+                       f"epoch {_epoch(self._doc)})")
+        elif got[0].get("released"):
+            self._lose("released")
+        if self._lost:
+            raise LockLostError(self._lost)
+
+    def guard(self) -> None:
+        """The write guard of the run directory: its own clock, the lease object, its clock
+        again (the read may have waited); what remains unfenced is the write's own way to the store."""
+        self.check()
+        self.fence()
+        self.check()
 
     def release(self) -> None:
         if self._stop is not None:
