@@ -96,20 +96,27 @@ def compilation_cache(path: str, max_gb: float = 0.0):
         cc.reset_cache()
 
 
-def trim_compilation_cache(folder: Path, cap: int) -> None:
+def trim_compilation_cache(folder: Path, cap: int, log=print) -> None:
     """Makes `folder` one JAX's capped cache can evict from, and evicts down to `cap` bytes now
     (JAX evicts only when it writes). An entry written without a cap (or cut off by a kill) has
     no access time, on which JAX's eviction fails, and then writes nothing: it gets its file's
-    modification time."""
+    modification time. Another process writing the folder meanwhile (without a cap, or evicting)
+    can add or take entries under us: a few tries, then a warning; the cache never stops a run."""
     from jax._src import lru_cache  # the cache's own eviction and its file names; no public API
     cache = lru_cache.LRUCache(str(folder), max_size=cap)
-    with cache.lock.acquire(timeout=cache.lock_timeout_secs):
-        for entry in folder.glob(f"*{lru_cache._CACHE_SUFFIX}"):
-            atime = folder / (entry.name.removesuffix(lru_cache._CACHE_SUFFIX) + lru_cache._ATIME_SUFFIX)
-            if not atime.exists():
-                atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
-        cache._evict_if_needed()
-
+    for tries_left in (2, 1, 0):
+        try:
+            with cache.lock.acquire(timeout=cache.lock_timeout_secs):
+                for entry in folder.glob(f"*{lru_cache._CACHE_SUFFIX}"):
+                    atime = folder / (entry.name.removesuffix(lru_cache._CACHE_SUFFIX) + lru_cache._ATIME_SUFFIX)
+                    if not atime.exists():
+                        atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+                cache._evict_if_needed()
+            return
+        except (OSError, TimeoutError) as e:
+            if not tries_left:
+                log(f"warning: run.compilation_cache={str(folder)!r}: not trimmed to its cap now "
+                    f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); JAX evicts as it writes")
 
 
 def store_failed(e: BaseException) -> bool:

@@ -156,8 +156,8 @@ class LeaseLock:
         """One lease request's timeout: a renewal slower than its interval is late anyway."""
         return max(2.0, min(remote_io.per_request_s(), self.lease_s / 3))
 
-    def _read(self) -> tuple[dict, str] | None:
-        got = read_versioned(self.path, self._io_s())
+    def _read(self, timeout_s: float | None = None) -> tuple[dict, str] | None:
+        got = read_versioned(self.path, timeout_s or self._io_s())
         if got is None:
             return None
         try:
@@ -332,7 +332,13 @@ class LeaseLock:
         suspended, say) learns of it here, before its write."""
         if self._lost:
             raise LockLostError(self._lost)
-        got = self._read()  # a store that does not answer: StorageError, as for the write itself
+        bound, t0 = remote_io.timeout_s(), time.monotonic()
+        try:  # bounded as the write it guards is, and a store that does not answer is named alike
+            got = self._read(bound)
+        except StorageError as e:
+            if time.monotonic() - t0 < bound - 1:
+                raise
+            raise StorageError(self.path, f"no answer within {bound:.0f} s; last error: {e.why}", "read") from None
         if got is None:
             self._lose("deleted")
         elif got[0].get("token") != self._doc.get("token"):

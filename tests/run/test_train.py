@@ -178,3 +178,22 @@ def test_the_compilation_cache_stays_under_its_cap_evicting_the_least_recently_u
             assert total() <= cap
             assert len(entries()) == 2
     assert not {*entries()} & {*old}  # each program the capped run compiled was written
+
+
+def test_a_cache_folder_that_changes_under_the_trim_warns_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Another process writing or evicting the same cache folder can take an entry between our
+    look and JAX's eviction (FileNotFoundError): trimming warns in one line and never raises."""
+    from jax._src import lru_cache
+
+    from async_rl.run.build import trim_compilation_cache
+    (tmp_path / f"a{lru_cache._CACHE_SUFFIX}").write_bytes(b"x" * 10)
+    calls = []
+
+    def gone(self):
+        calls.append(1)
+        raise FileNotFoundError(2, "No such file or directory", str(tmp_path / f"a{lru_cache._ATIME_SUFFIX}"))
+    monkeypatch.setattr(lru_cache.LRUCache, "_evict_if_needed", gone)
+    lines = []
+    trim_compilation_cache(tmp_path, 5, log=lines.append)
+    assert len(calls) == 3 and len(lines) == 1 and "\n" not in lines[0], (calls, lines)
+    assert lines[0].startswith("warning: run.compilation_cache=") and "FileNotFoundError" in lines[0]
