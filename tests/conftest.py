@@ -33,9 +33,12 @@ def compile_cache(xla_cache):
     """The session's cache for this module's own compilations: a module that builds the same
     engine programs test after test (each engine its own jit) reads them back instead of
     compiling again. Not session-wide: modules that close over large weights would write them
-    into every entry. Put back as it was afterwards, as a run puts the caller's settings back."""
+    into every entry. Put back as it was afterwards, as a run puts the caller's settings back.
+    Capped as the runs that share the folder are: an uncapped writer's entries have no access
+    time, and the capped runs' writes would fail on them (compiling again in every process)."""
+    from async_rl.config import RunConfig
     from async_rl.run.build import compilation_cache
-    with compilation_cache(str(xla_cache)):
+    with compilation_cache(str(xla_cache), RunConfig().compilation_cache_max_gb):
         yield
 
 
