@@ -11,7 +11,6 @@ failed step's traceback to its file in run.dir (`traceback_keeper`; the name is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from async_rl.store import runfiles, storage
@@ -47,13 +46,9 @@ def state_depth(state: Any, limit: int) -> int:
 def traceback_keeper(run_dir):
     """`EnvRunner`'s keep_traceback for a run: writes a failed step's traceback to its file in
     `run_dir` (`runfiles.env_error`) and returns that path. A symlink where the file or its
-    folder would be is refused (nothing is written through it)."""
+    folder would be is refused by storage, as for every run.dir write (nothing goes through it)."""
     def keep(key, text: str):  # key: the StepKey of the step that raised
         p = runfiles.env_error(run_dir, str(key))
-        if not storage.is_remote(p):
-            for q in (p.parent, p):
-                if Path(q).is_symlink():
-                    raise OSError(f"{q} is a symlink (remove it; the run writes nothing through links)")
         storage.mkdirs(p.parent)
         storage.write_atomic(p, f"env step {key}\n{text}")
         return p
