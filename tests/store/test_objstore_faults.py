@@ -234,7 +234,7 @@ NO_KEYS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSIO
 
 
 @pytest.mark.parametrize("case", ["s3-no-credentials", "s3-endpoint-down", "gs-endpoint-down"])
-def test_start_names_missing_credentials_or_a_down_endpoint(case, s3_endpoint, monkeypatch, capsys):
+def test_start_names_missing_credentials_or_a_down_endpoint(case, s3_endpoint, monkeypatch, capsys, request):
     """`train` and `audit` on a store they cannot use: one line naming the cause (not 'bucket
     does not exist'), exit 2, within seconds."""
     scheme = case[:2]
@@ -247,9 +247,12 @@ def test_start_names_missing_credentials_or_a_down_endpoint(case, s3_endpoint, m
             monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
         want = "no credentials"
     else:
-        with socket.socket() as s:  # a port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+        # a port nothing listens on, held (bound, never listening) until the test ends so that no
+        # server started beside it can take it: connections to it are refused
+        held = socket.socket()
+        request.addfinalizer(held.close)
+        held.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{held.getsockname()[1]}"
         for k, v in (GCS_ENV(closed) if scheme == "gs" else {"AWS_ENDPOINT_URL": closed}).items():
             monkeypatch.setenv(k, v)
         want = "connect"
