@@ -25,6 +25,7 @@ import numpy as np
 from async_rl import config as cfg_lib
 from async_rl.buffer.ledger import Ledger
 from async_rl.buffer.sampler import make_sampler
+from async_rl.rollout.interface import BuiltinRollout
 from async_rl.rollout.pump import Pump
 
 
@@ -123,7 +124,8 @@ def run(lookahead: int, *, step_s: float, steps: int, warmup: int, prompts_per_s
     ledger = Ledger(samples)
     sampler = make_sampler(cfg, ledger)
     rs = np.random.RandomState(0)
-    pump = Pump(ledger=ledger, sampler=sampler, engine=engine, iterator=records(prompts_per_step * (steps + 4)),
+    pump = Pump(ledger=ledger, sampler=sampler, rollout=BuiltinRollout(engine, Value(0.0), 0),
+                iterator=records(prompts_per_step * (steps + 4)),
                 tokenizer=Tokenizer(), reward_fn=lambda text, answer: float(rs.rand()), max_new_tokens=max_new_tokens,
                 params=Value(0.0), version=0, partial=False, deterministic=False, log=lambda *a: None)
     learner = Device()

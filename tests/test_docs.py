@@ -323,7 +323,7 @@ def test_quoted_code_names_exist():
 
 def test_a_stale_code_name_is_caught():
     lines = list(enumerate([
-        "ok: `pump.Pump._pick`, `sampler._Sampler.eligible`, `rollout.pump.Pump`, `Ledger.add`, `runfiles`",
+        "ok: `pump.Pump._maybe_swap`, `sampler._Sampler.eligible`, `rollout.pump.Pump`, `Ledger.add`, `runfiles`",
         "ok: `rollout.partial`, `final.json`, `jax.jit`, `store/lease.py`, `dataset.build_dataset(cfg)`",
         "moved: `step_items.LedgerHandler`; renamed: `pump.Pump._choose`; gone: `pump.fill`",
         "wing: `rollout.BuiltinRollout`; class: `Pump.drain`, `Lease.check`; path: `store/ckpt_layout.py`"]))

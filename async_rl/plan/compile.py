@@ -344,16 +344,12 @@ def _engine(cfg: C.Config, vocab: int, devices: list, layers: int | None = None,
 
     from async_rl.model import lora
     from async_rl.model.transformer import Transformer
-    from async_rl.rollout.engine import Engine
+    from async_rl.rollout.backends import make_engine
     mc = cfg.model if layers is None else dataclasses.replace(cfg.model, n_layers=layers)
     # with LoRA the engine runs the base and the adapters beside it (LoRAParam is a Param)
     abstract = nnx.eval_shape(lambda: Transformer(mc, vocab, rngs=nnx.Rngs(0), lora=lora.spec(cfg)))
     graphdef, params = nnx.split(abstract, nnx.Param)
-    ec = cfg.engine
-    eng = Engine(mc, graphdef, vocab_size=vocab, slots=ec.max_concurrent_decodes, max_prompt_len=ec.max_prompt_len,
-                 max_new_tokens=cfg.rollout.max_new_tokens, temperature=ec.temperature, top_k=ec.top_k,
-                 top_p=ec.top_p, seed=0, devices=devices, tensor=ec.tensor, unroll=unroll,
-                 steps_per_call=ec.steps_per_call)
+    eng = make_engine(cfg, graphdef, vocab, devices=devices, model_cfg=mc, seed=0, unroll=unroll, windows=True)
     sh = eng.param_shardings(params)
     params = jax.tree.map(lambda v, s: v.replace(_abstract(v.shape, eng.param_dtype(v), s.get_value())), params, sh,
                           is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -43,10 +43,20 @@ class Requests:
         self.ordinals = list(range(len(prompts))) if ordinals is None else list(ordinals)
         self.waiting = [(i, s) for i in range(len(prompts)) for s in range(samples)][::-1]  # popped from the end
         self.out: list[list[Completion | None]] = [[None] * samples for _ in prompts]
+        self.again: list[_Row] = []  # samples whose slot the backend lost: continued first
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.waiting or self.again)
 
     def fill(self, free: list[int], busy: bool) -> Fill:
         starts, rows, forget = [], [], []
-        for slot in free[:len(self.waiting)]:
+        for slot in free[:len(self.again)]:
+            r = self.again.pop()
+            starts.append(Start(slot, self.ordinals[r.prompt], r.sample, self.prompts[r.prompt], tuple(r.tokens),
+                                self.limits[r.prompt][r.sample] - len(r.tokens)))
+            rows.append(r)
+        for slot in free[len(rows):len(rows) + len(self.waiting)]:
             i, s = self.waiting.pop()
             starts.append(Start(slot, self.ordinals[i], s, self.prompts[i], (), self.limits[i][s]))
             rows.append(_Row(i, s))
@@ -66,10 +76,13 @@ class Requests:
     def collected(self, calls: int) -> None:
         pass
 
+    def release(self, occupants: list) -> None:
+        self.again.extend(occupants)
+
     def run(self, rollout: Rollout, stops) -> list[list[Completion]]:
         """Generates every sample; returns completions indexed [prompt][sample]."""
         sched = Scheduler(rollout, self, stops)
-        sched.run(lambda: not self.waiting and sched.idle)
+        sched.run(lambda: not self.pending and sched.idle)
         return self.out  # type: ignore[return-value]
 
 

@@ -219,6 +219,9 @@ class EpisodeRequests:
     def collected(self, calls: int) -> None:
         pass
 
+    def release(self, occupants: list) -> None:
+        self.waiting.extend(occupants)  # continued from their recorded tokens
+
     def run(self, rollout, stops) -> list[list[Sample]]:
         sched = Scheduler(rollout, self, stops)
         sched.run(lambda: not self.waiting and not self._steps and sched.idle)

@@ -38,6 +38,11 @@ class Chunk:
     version: int  # weights version in use when the chunk was collected
     # version of each token when a backend buffers tokens across a swap; None: all `version`
     versions_KxS: np.ndarray | None = None
+    # tokens that arrived for each slot (a backend whose slots run apart, on servers); None: K each
+    count_S: np.ndarray | None = None
+    # slots whose backend lost them (its server died, went silent or answered garbage): their
+    # samples go back to the allocator with what was recorded before; this chunk has none of theirs
+    lost: tuple[int, ...] = ()
 
 
 @runtime_checkable

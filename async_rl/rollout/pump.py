@@ -1,15 +1,13 @@
-"""The pump: a background thread that keeps the engine busy and the ledger moving.
+"""The pump: a background thread that keeps the backend busy and the ledger moving.
 
-Owns: drawing records from the Grain iterator into the ledger (one lock for both),
-choosing which samples go into free engine slots (continuations of saved half-finished
-samples first, then pending groups, then new draws, as the sampler's gate allows),
-recording every generated token with its behaviour logprob and policy version,
-rewarding finished samples (on a thread of its own, so reward code never holds up the
-engine), swapping in published weights, and pausing for a deterministic checkpoint cut.
-The pump is a `scheduler.Source`: the slot scheduler runs the overlapped chunk loop and
-asks it what to start (`fill`) and hands it what was generated (`record`).
-Does not own: the chunk loop or the slot table (scheduler), which groups train when
-(sampler), the weights (learner publishes them), or saving (train/checkpoint).
+Owns: the run's side of the slot scheduler (a `scheduler.Source`: `fill` asks the allocator
+which samples start in free slots, `record` appends every generated token with its behaviour
+logprob and policy version to the ledger as each chunk arrives, `release` gives back leases a
+backend lost), rewarding finished samples (on a thread of its own, so reward code never holds
+up generation), env steps of multi-turn episodes, swapping in published weights, and pausing
+for a deterministic checkpoint cut. Does not own: which sample goes where (`allocator`), the
+chunk loop or the slot table (scheduler), the backend (`backends` chooses it), which groups
+train when (sampler), the weights (learner publishes them), or saving (train/checkpoint).
 """
 
 from __future__ import annotations
@@ -27,7 +25,8 @@ from async_rl.data.rewards import as_real, refused
 from async_rl.data.tokenizer import completion_text
 from async_rl.env.interface import EnvError
 from async_rl.errors import RunFailure
-from async_rl.rollout.interface import BuiltinRollout, Rollout, Start
+from async_rl.rollout.allocator import Allocator
+from async_rl.rollout.interface import BuiltinRollout, Rollout
 from async_rl.rollout.scheduler import Fill, Piece, Scheduler, SlotStats
 
 
@@ -43,11 +42,11 @@ class PumpStats(SlotStats):  # busy_s and calls: the scheduler's
 
 
 class Pump:
-    def __init__(self, *, ledger: Ledger, sampler, engine: Rollout | object, iterator, tokenizer, reward_fn,
+    def __init__(self, *, ledger: Ledger, sampler, rollout: Rollout, iterator, tokenizer, reward_fn,
                  max_new_tokens: int, params, version: int, partial: bool, deterministic: bool, log=print,
-                 journal=None, prefill_rows: int = 32, reward_timeout_s: float = 60.0, episodes=None, env=None,
+                 journal=None, reward_timeout_s: float = 60.0, episodes=None, env=None,
                  on_env_request=None, reward_max_abs: float = 1e6):
-        self.ledger, self.sampler, self.engine = ledger, sampler, engine
+        self.ledger, self.sampler, self.rollout = ledger, sampler, rollout
         self.journal = journal  # rollout journal: records finished samples, supplies a killed run's
         self.iterator, self.tok, self.reward_fn = iterator, tokenizer, reward_fn
         self.N, self.partial, self.deterministic = max_new_tokens, partial, deterministic
@@ -61,25 +60,22 @@ class Pump:
         if deterministic and env is not None:
             raise ValueError("run.determinism: not with rollout.env (env steps finish in any order)")
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
-        # the backend that generates: a `Rollout`, or the built-in engine behind its adapter
-        self.rollout: Rollout = engine if isinstance(engine, Rollout) else BuiltinRollout(
-            engine, params, version, deterministic=deterministic, prefill_rows=prefill_rows)
-        if deterministic and not isinstance(self.rollout, BuiltinRollout):
+        if deterministic and not isinstance(rollout, BuiltinRollout):
             raise ValueError("run.determinism: only the built-in engine is deterministic")
         self.published: dict[int, object] = {version: params}
         # leaves of published versions not yet seen computed (flattened once, at publication:
         # the pump asks at every wake-up, and flattening the tree cost more than the check)
         self._in_flight: dict[int, list] = {}
-        self.version = version  # weights the engine runs now
-        self.latest = version  # newest published
+        # which sample goes into which free slot (the ledger side); the versions it gates on
+        self.alloc = Allocator(ledger=ledger, sampler=sampler, iterator=iterator, journal=journal,
+                               max_new_tokens=max_new_tokens, episodes=episodes, deterministic=deterministic,
+                               version=version)
         self.params = params
         self.stats = PumpStats()
         # the chunk loop; a slot holds (group, sample index) until that sample's last tokens are recorded
         self.scheduler = Scheduler(self.rollout, self, self._stops, lock=self.ledger.changed, stats=self.stats)
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._cut_below: int | None = None  # deterministic cut: start only work needing older weights
-        self._shared: set[int] = set()  # ordinals whose prompt the rollout may share with later starts
         self._thread = threading.Thread(target=self._run, name="pump", daemon=True)
         # wakes the pump the moment published weights are computed (it would otherwise find
         # out at its next poll, a delay on the critical path of every synchronous step)
@@ -135,6 +131,16 @@ class Pump:
         self._stopped.set()
 
     @property
+    def version(self) -> int:
+        """The weights the backend runs now."""
+        return self.alloc.version
+
+    @property
+    def latest(self) -> int:
+        """The newest published weights."""
+        return self.alloc.latest
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -143,7 +149,7 @@ class Pump:
         with self.ledger.changed:
             self.published[version] = params
             self._in_flight[version] = leaves
-            self.latest = max(self.latest, version)
+            self.alloc.latest = max(self.alloc.latest, version)
             self.ledger.changed.notify_all()
         self._computing.put(params)
 
@@ -173,14 +179,14 @@ class Pump:
         """Deterministic mode: before saving after `version` steps, finish all work that needs
         older weights (a restored run has only `version`) and leave no half-finished sample."""
         with self.ledger.changed:
-            self._cut_below = version
+            self.alloc.cut_below = version
             self.ledger.changed.notify_all()
             while not self._cut_ready(version) and self.error is None and not should_stop():
                 self.ledger.changed.wait(0.05)
 
     def resume(self) -> None:
         with self.ledger.changed:
-            self._cut_below = None
+            self.alloc.cut_below = None
             self.ledger.changed.notify_all()
 
     def _cut_ready(self, version: int) -> bool:
@@ -189,7 +195,7 @@ class Pump:
         req = self.sampler.required_version
         if any(req(g) < version and g.state != State.READY for g in self.ledger.groups.values()):
             return False
-        return self.ledger.exhausted or self._required_for_next_draw() >= version
+        return self.ledger.exhausted or self.alloc.required_for_next_draw() >= version
 
     def iterator_state(self) -> dict:
         return self.iterator.get_state()  # caller holds the ledger lock (the cut)
@@ -227,7 +233,9 @@ class Pump:
             self._journal_settles(self.journal.apply, self.latest)
         if self._resubmit:
             self._env_backlog()
-        picks = self._pick(free)
+        # without partial rollouts the slots drain before newer weights go in (publication waits)
+        drain = not self.partial and not self.deterministic and self._newest_ready() > self.version
+        picks = [] if drain else self.alloc.pick(free)
         if not picks and not busy:
             if self.journal is not None and self.journal.waits:
                 self._journal_settles(self.journal.idle, self.latest, self.sampler.pps)
@@ -235,7 +243,11 @@ class Pump:
             self.ledger.changed.wait(0.05)
             self.stats.idle_s += time.perf_counter() - t0
             return Fill()
-        return self._starts(picks)
+        return self.alloc.starts(picks)
+
+    def release(self, occupants: list) -> None:
+        """Under the lock: leases the backend lost; their samples start again elsewhere."""
+        self.alloc.release(occupants)
 
     def record(self, pieces: list[Piece], version: int) -> None:
         """Appends a chunk's tokens, logprobs and versions to their samples (the lists were
@@ -327,10 +339,10 @@ class Pump:
         if self.deterministic:
             if any(self.slots):
                 return
-            need = self._next_required_version()
+            need = self.alloc.next_required_version()
             if need is None or need == self.version or need not in self.published:
                 return
-            if self._cut_below is not None and need >= self._cut_below:
+            if self.alloc.cut_below is not None and need >= self.alloc.cut_below:
                 return
             self._swap(need)
             self._drop(lambda v: v < need)
@@ -360,106 +372,11 @@ class Pump:
         return self.version
 
     def _swap(self, version: int) -> None:
-        self.params, self.version = self.published[version], version
+        self.params, self.alloc.version = self.published[version], version
         t0 = time.perf_counter()
         self.rollout.swap(self.params, version)
         self.stats.swap_s += time.perf_counter() - t0
         self.stats.swaps += 1
-
-    def _gate_version(self) -> int:
-        # deterministic: generation waits for exact versions anyway; otherwise the gates count
-        # from the weights the engine runs, so no group is generated staler than its bound
-        return self.latest if self.deterministic else self.version
-
-    def _required_for_next_draw(self) -> int:
-        return self.sampler.required_version_for_stamp(self.sampler.stamp(self.ledger.next_ordinal))
-
-    def _next_required_version(self) -> int | None:
-        """Deterministic mode: the weights the next unstarted sample in stream order needs."""
-        for g in self.ledger.groups.values():
-            if any(not s.in_engine and not s.done for s in g.samples):
-                return self.sampler.required_version(g)
-        if self.sampler.may_draw(self.latest, self.latest):
-            return self._required_for_next_draw()
-        return None
-
-    def _startable(self, g: Group) -> bool:
-        if not self.sampler.eligible(g, self._gate_version(), self.latest):
-            return False
-        if not self.deterministic:
-            return True
-        req = self.sampler.required_version(g)
-        return req == self.version and (self._cut_below is None or req < self._cut_below)
-
-    def _may_draw(self) -> bool:
-        if not self.sampler.may_draw(self._gate_version(), self.latest):
-            return False
-        return not self.deterministic or self._cut_below is None or self._required_for_next_draw() < self._cut_below
-
-    def _pick(self, free: list[int]) -> list[tuple[int, Group, int]]:
-        """(slot, group, sample) assignments for free slots; marks them in_engine (under the lock)."""
-        if not free:
-            return []
-        if not self.partial and not self.deterministic and self._newest_ready() > self.version:
-            return []  # drain the slots first, then swap (publication waits for them)
-        picks: list[tuple[int, Group, int]] = []
-
-        waits = self.journal.waits if self.journal is not None else {}
-
-        def take(g: Group) -> None:
-            for si, s in enumerate(g.samples):
-                if len(picks) == len(free):
-                    return
-                if not s.in_engine and not s.done and not s.awaiting and \
-                        not (waits and self.journal.waiting(g.ordinal, si)):
-                    s.in_engine = True
-                    picks.append((free[len(picks)], g, si))
-
-        # continuations of saved half-finished samples first, then in stream order
-        groups = sorted(self.ledger.groups.values(), key=lambda g: (not any(s.tokens and not s.done
-                                                                            for s in g.samples), g.ordinal))
-        for g in groups:
-            if len(picks) == len(free):
-                break
-            if self._startable(g):
-                take(g)
-        while len(picks) < len(free) and self._may_draw():
-            g = self._draw()
-            if g is None:
-                break
-            if self._startable(g):
-                take(g)
-            else:
-                break
-        return picks
-
-    def _draw(self) -> Group | None:
-        try:
-            rec = next(self.iterator)
-        except StopIteration:
-            self.ledger.mark_exhausted()
-            return None
-        g = self.ledger.add(rec, self.sampler.stamp(self.ledger.next_ordinal))
-        if self.journal is not None:  # a killed run may have generated this group already
-            self.journal.claim(g, self.latest)
-        return g
-
-    def _starts(self, picks) -> Fill:
-        """The picked samples' starts: continuations from prompt + saved tokens with the
-        remaining budget (none is generated twice); and the groups whose prompt no later
-        start shares, every sample started or done."""
-        starts, occupants = [], []
-        for slot, g, si in picks:
-            toks = tuple(g.samples[si].tokens)
-            budget = self.N - len(toks) if self.episodes is None else self.episodes.budget(g.samples[si])
-            starts.append(Start(slot, g.ordinal, si, g.prompt_tokens, toks, budget))
-            occupants.append((g, si))
-            if not toks:
-                self._shared.add(g.ordinal)
-        done = [o for o, g in ((o, self.ledger.groups.get(o)) for o in self._shared)
-                if g is None or all(s.started or s.done for s in g.samples)]
-        self._shared.difference_update(done)
-        return Fill(starts, occupants, done)
 
     def _reward_loop(self) -> None:
         """The reward thread: rewards each queued batch of finished samples, in order."""

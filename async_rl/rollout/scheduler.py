@@ -26,18 +26,23 @@ import numpy as np
 from async_rl.rollout.interface import Chunk, Rollout, Start
 
 
-def chunk_ends(tokens_KxS: np.ndarray, room_S: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def chunk_ends(tokens_KxS: np.ndarray, room_S: np.ndarray, stops: np.ndarray,
+               count_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Where each slot's sample ends within one chunk of K tokens: (take_S, ended_S).
 
     `room_S` is how many more tokens each sample may have (its cap minus what it holds);
-    it ends at a token of `stops` (kept) or when the room is used up. take_S counts the tokens
-    that belong to it (K when it runs on); what follows an end is garbage."""
+    it ends at a token of `stops` (kept) or when the room is used up. `count_S`: the tokens
+    that arrived per slot (None: K each). take_S counts the tokens that belong to it (all that
+    arrived when it runs on); what follows an end is garbage."""
     k = tokens_KxS.shape[0]
-    end_KxS = np.arange(1, k + 1)[:, None] >= np.asarray(room_S)[None, :]
+    rows_K1 = np.arange(1, k + 1)[:, None]
+    end_KxS = rows_K1 >= np.asarray(room_S)[None, :]
     if stops.size:
         end_KxS |= np.isin(tokens_KxS, stops)
+    if count_S is not None:
+        end_KxS &= rows_K1 <= np.asarray(count_S)[None, :]
     ended_S = end_KxS.any(axis=0)
-    return np.where(ended_S, end_KxS.argmax(axis=0) + 1, k), ended_S
+    return np.where(ended_S, end_KxS.argmax(axis=0) + 1, k if count_S is None else count_S), ended_S
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ class Source(Protocol):
 
     def collected(self, calls: int) -> None:
         """A chunk is on the host, its ends found, not yet recorded (`calls`: chunks so far)."""
+
+    def release(self, occupants: list) -> None:
+        """Under the lock: the backend lost these samples' slots (`Chunk.lost`); what was
+        recorded of them stays theirs, and the slots are free."""
 
 
 @dataclass
@@ -148,10 +157,23 @@ class Scheduler:
         """Waits for a chunk and finds where each live sample ends in it (nothing recorded)."""
         chunk = self.rollout.collect(pending)
         mask_S = np.asarray(mask)
-        take_S, ended_S = chunk_ends(chunk.tokens_KxS, np.where(mask_S, self._room_S, 0), self.stops)
+        if chunk.lost:  # every earlier chunk is recorded: the lost samples go back whole
+            self._release(chunk.lost, live, mask_S)
+        take_S, ended_S = chunk_ends(chunk.tokens_KxS, np.where(mask_S, self._room_S, 0), self.stops,
+                                     chunk.count_S)
         self._room_S -= np.where(mask_S, take_S, 0)
         self._ended = {slot: live[slot] for slot in np.flatnonzero(ended_S & mask_S).tolist()}
         return _Fetched(chunk, live, take_S, ended_S)
+
+    def _release(self, lost, live: list, mask_S: np.ndarray) -> None:
+        gone = [slot for slot in lost if live[slot] is not None]
+        mask_S[gone] = False
+        with self.lock:
+            self.source.release([live[slot] for slot in gone])
+            for slot in gone:
+                if self.slots[slot] is live[slot]:
+                    self.slots[slot] = None
+                live[slot] = None
 
     def _record(self, f: _Fetched) -> None:
         """Hands a fetched chunk to the source: the lists are built outside the lock, which is

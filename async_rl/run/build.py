@@ -30,6 +30,7 @@ from async_rl.env.interface import load_env, use_env_tools
 from async_rl.learner.step import Learner
 from async_rl.model import sharding
 from async_rl.plan import memory
+from async_rl.rollout.backends import make_engine
 from async_rl.rollout.engine import Engine
 from async_rl.run.evaluate import build_eval_set
 from async_rl.state import reshard
@@ -165,11 +166,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size,
                       horizon=total_steps(cfg, pd))
     eval_set = build_eval_set(cfg, tok) if cfg.eval.every_steps and pi == 0 else None
-    engine = Engine(cfg.model, learner.graphdef, vocab_size=vocab, slots=cfg.engine.max_concurrent_decodes,
-                    max_prompt_len=cfg.engine.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
-                    temperature=cfg.engine.temperature, top_k=cfg.engine.top_k, top_p=cfg.engine.top_p,
-                    seed=cfg.run.seed, devices=devices.engine, steps_per_call=cfg.engine.steps_per_call,
-                    tensor=cfg.engine.tensor, windows=not cfg.run.determinism, all_devices=devices.engine_all)
+    engine = make_engine(cfg, learner.graphdef, vocab, devices=devices.engine, all_devices=devices.engine_all)
     ckpt = Checkpointer(run_dir / runfiles.CHECKPOINTS, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,

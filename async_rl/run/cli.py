@@ -212,9 +212,8 @@ def _train(args) -> int:
     print("# resolved config\n" + C.to_yaml(cfg), flush=True)
     if args.print_config:
         return 0
-    if cfg.engine.backend == "vllm":
-        from async_rl.rollout.vllm_backend import split_gpu_memory
-        split_gpu_memory(cfg.engine.gpu_memory_utilization)  # before JAX takes a GPU
+    from async_rl.rollout import backends
+    backends.prepare(cfg)  # before JAX takes a device
     from async_rl.model.sharding import init_distributed
     from async_rl.run.train import train
     init_distributed()

@@ -21,6 +21,7 @@ from async_rl import config as C
 from async_rl.data import dataset as data_mod
 from async_rl.data import rewards
 from async_rl.data.tokenizer import completion_text
+from async_rl.rollout import backends
 from async_rl.rollout.decoding import generate_all
 from async_rl.rollout.engine import Engine
 
@@ -86,15 +87,9 @@ class Evaluator:
         self.on_run_engine = rollout is not None  # scores what that engine runs (the caller loads it)
         if rollout is not None:
             self.backend = rollout.view(slots, **sampling)
-        elif e.backend == "vllm":
-            from async_rl.rollout.vllm_backend import from_config
-            self.backend = from_config(C.replace(cfg, engine={"max_concurrent_decodes": slots, **sampling}),
-                                       self._stops, tok.vocab_size, None, 0)
         else:
-            self.backend = Engine(cfg.model, graphdef, vocab_size=vocab_size, slots=slots,
-                                  max_prompt_len=e.max_prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
-                                  seed=cfg.run.seed, devices=devices, tensor=e.tensor,
-                                  steps_per_call=e.steps_per_call, **sampling)
+            self.backend = backends.for_eval(cfg, graphdef, vocab_size, self._stops, tok.vocab_size, slots=slots,
+                                             sampling=sampling, devices=devices)
 
     def describe(self) -> str:
         how = "greedy, pass@1" if self.k == 1 else f"{self.k} samples at T={self.cfg.engine.temperature}, pass@{self.k}"
@@ -204,9 +199,7 @@ def open_eval(run_dir: str | Path, step: int | None = None, overrides: list[str]
     refuse_foreign_code(run, overrides, trust_code)
     cfg, tok, vocab = C.with_overrides(run.cfg, overrides), run.tok, run.vocab
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every_steps=cfg.eval.every_steps or 1))
-    if cfg.engine.backend == "vllm":
-        from async_rl.rollout.vllm_backend import split_gpu_memory
-        split_gpu_memory(cfg.engine.gpu_memory_utilization)  # before JAX takes a GPU
+    backends.prepare(cfg)  # before JAX takes a device
     step, params = read_params(dataclasses.replace(run, cfg=cfg), step, warn=warn)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, vocab, rngs=nnx.Rngs(0),
                                                               n_tokens=tok.vocab_size)), nnx.Param)[0]

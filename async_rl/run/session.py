@@ -27,6 +27,7 @@ from async_rl.learner.step import updates_per_step
 from async_rl.model import sharding
 from async_rl.obs.metrics import MetricsSink, Rates, StepClock
 from async_rl.obs.tensorboard import cut_events
+from async_rl.rollout import backends
 from async_rl.rollout.pump import Pump
 from async_rl.run.build import Parts, Start, resume_line, total_steps
 from async_rl.run.evaluate import eval_slots, make_evaluator
@@ -126,22 +127,22 @@ class Session:
         cfg, parts, log = self.cfg, self.parts, self.log
         params_e = self.engine_params()
         self.engine.update_params(params_e, self.step)
-        rollout = self.engine
-        if cfg.engine.backend == "vllm":  # the built-in engine stays for weight placement (casts, layout)
-            from async_rl.rollout.vllm_backend import from_config
-            rollout = from_config(cfg, self.stop_ids, parts.tok.vocab_size, params_e, self.step,
-                                  spare_slots=eval_slots(cfg) if self.primary else 0, lora=self.learner.lora)
+        # the built-in engine places the weights for every backend (casts, layout)
+        rollout = backends.for_training(cfg, backends.RunSide(
+            engine=self.engine, params=params_e, version=self.step, stop_ids=self.stop_ids,
+            n_tokens=parts.tok.vocab_size, spare_slots=eval_slots(cfg) if self.primary else 0,
+            lora=self.learner.lora, log=log))
         episodes, env_runner = self._episodes(cfg, parts)
-        self.pump = Pump(ledger=self.ledger, sampler=self.sampler, engine=rollout, iterator=parts.iterator,
+        self.pump = Pump(ledger=self.ledger, sampler=self.sampler, rollout=rollout, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
                          params=params_e, version=self.step, partial=cfg.rollout.partial,
                          deterministic=cfg.run.determinism, log=log, journal=self.journal,
-                         prefill_rows=cfg.engine.prefill_rows, reward_timeout_s=cfg.rollout.reward_timeout_s,
+                         reward_timeout_s=cfg.rollout.reward_timeout_s,
                          episodes=episodes, env=env_runner, on_env_request=self.logs.env_requested,
                          reward_max_abs=cfg.rollout.reward_max_abs)
         self.evaluator = make_evaluator(cfg, self.learner.graphdef, self.engine.vocab_size, parts.tok,
                                         devices=list(self.engine.mesh.devices.flat), eval_set=parts.eval_set,
-                                        rollout=rollout if rollout is not self.engine else None,
+                                        rollout=rollout if backends.shares_engine(rollout) else None,
                                         run_dir=parts.run_dir, env=parts.env) if self.primary else None
         if self.evaluator is not None:
             log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from async_rl.buffer.ledger import Ledger
+from async_rl.rollout.interface import BuiltinRollout
 from async_rl.rollout.pump import Pump
 
 
@@ -48,7 +49,8 @@ class Tok:
 
 def make_pump(deterministic=False) -> tuple[Pump, Engine]:
     eng = Engine()
-    pump = Pump(ledger=Ledger(2), sampler=None, engine=eng, iterator=iter(()), tokenizer=Tok(), reward_fn=None,
+    pump = Pump(ledger=Ledger(2), sampler=None, rollout=BuiltinRollout(eng, Weights(0), 0, deterministic=deterministic),
+                iterator=iter(()), tokenizer=Tok(), reward_fn=None,
                 max_new_tokens=4, params=Weights(0), version=0, partial=False, deterministic=deterministic)
     return pump, eng
 
@@ -165,9 +167,10 @@ def test_overlapped_chunks_record_each_token_with_the_weights_that_made_it():
             for i in range(2 * steps))
     tok = type("Tok", (), {"eos_id": 0, "stop_ids": (0,), "decode": lambda self, ids: "x"})()
     engine = ChunkEngine()
-    pump = Pump(ledger=ledger, sampler=sampler, engine=engine, iterator=recs, tokenizer=tok,
+    pump = Pump(ledger=ledger, sampler=sampler, rollout=BuiltinRollout(engine, Weights(0), 0, prefill_rows=2),
+                iterator=recs, tokenizer=tok,
                 reward_fn=lambda text, answer: 1.0, max_new_tokens=n, params=Weights(0), version=0, partial=True,
-                deterministic=False, log=lambda *a: None, prefill_rows=2)
+                deterministic=False, log=lambda *a: None)
     pump.start()
     trained = []
     try:
@@ -218,7 +221,8 @@ def test_a_reward_out_of_range_is_refused_before_anything_records_it(value):
 
     tok, led = CharTokenizer(), Ledger(3)
     calls = iter([0.5, value, 0.25])
-    pump = Pump(ledger=led, sampler=None, engine=Engine(), iterator=iter(()), tokenizer=tok,
+    pump = Pump(ledger=led, sampler=None, rollout=BuiltinRollout(Engine(), Weights(0), 0), iterator=iter(()),
+                tokenizer=tok,
                 reward_fn=lambda text, answer: next(calls), max_new_tokens=4, params=Weights(0), version=0,
                 partial=False, deterministic=False, journal=Journal(), reward_max_abs=1e6)
     with led.lock:

@@ -84,6 +84,12 @@ class Checked(Requests):
             self.held.setdefault(st.slot, []).append(row)
         return fill
 
+    def release(self, occupants):
+        self.log.append(("release",))
+        for rows in self.held.values():  # a lost sample goes on elsewhere: its old slot no longer holds it
+            rows[:] = [r for r in rows if all(r is not o for o in occupants)]
+        super().release(occupants)
+
     def record(self, pieces, version):
         self.log.append(("record",))
         self.refilled_first += sum(p.ended and self.sched.slots[p.slot] is not p.occupant for p in pieces)
@@ -130,3 +136,44 @@ def test_on_stop_the_fetched_chunk_is_recorded_first():
     req.run(HostRollout(3, 4, log), (STOP,), stop=lambda: req.sched.stats.calls >= 2)
     assert [e[0] for e in log].count("collect") == 2 and log[-1] == ("record",)
     assert [r.tokens for r in req.sched.slots] == [[100 + o] * 8 for o in ordinals]
+
+
+class LossyRollout(HostRollout):
+    """Slots that run apart, as on servers: each chunk brings 0..K tokens per slot, and now and
+    then a slot is lost (its server gone) with the tokens of that chunk; the sample must go on
+    from what was recorded, in another slot."""
+
+    def __init__(self, capacity: int, steps_per_call: int, log: list, seed: int = 0):
+        super().__init__(capacity, steps_per_call, log)
+        self.rs, self.lost_n = np.random.RandomState(seed), 0
+
+    def step(self, live):
+        for slot in list(self.rows):
+            if not live[slot]:
+                del self.rows[slot]
+        toks = np.full((self.steps_per_call, self.capacity), -1, np.int32)
+        count = np.zeros(self.capacity, np.int64)
+        lost = []
+        for slot, row in list(self.rows.items()):
+            if self.rs.rand() < 0.15:
+                lost.append(slot)
+                del self.rows[slot]
+                continue
+            count[slot] = self.rs.randint(0, self.steps_per_call + 1)
+            for k in range(count[slot]):
+                row[1] += 1
+                toks[k, slot] = STOP if row[1] == stop_at(row[0]) else 100 + row[0]
+        self.lost_n += len(lost)
+        return Chunk(toks, -np.abs(toks).astype(np.float32), self.version, count_S=count, lost=tuple(lost))
+
+
+def test_lost_slots_continue_elsewhere_from_their_recorded_tokens_and_short_chunks_take_what_came():
+    log: list = []
+    caps = np.random.RandomState(1).randint(1, 14, (12, 2)).tolist()
+    req = Checked([np.ones(2, np.int32)] * 12, samples=2, limits=caps, ordinals=list(range(10, 22)), log=log)
+    rollout = LossyRollout(3, 4, log)
+    out = req.run(rollout, (STOP,))
+    assert rollout.lost_n > 5, "the schedule lost too few slots to test anything"
+    for i in range(12):
+        for s in range(2):
+            assert out[i][s].tokens.tolist() == expected(10 + i, caps[i][s]), (i, s)
