@@ -81,6 +81,18 @@ def _new_model(cfg: Config, vocab_size: int, n_tokens: int = 0, lora: lora_mod.L
     return Transformer(cfg.model, vocab_size, rngs=nnx.Rngs(cfg.run.seed), n_tokens=n_tokens, lora=lora)
 
 
+def split_model(cfg: Config, vocab_size: int, n_tokens: int = 0) -> tuple:
+    """(graphdef, trained parameters, frozen base), abstract: the model as the learner trains it
+    and the engine runs it (the engine's tree is the base's leaves and the trained ones; without
+    LoRA both are the one parameter tree)."""
+    lora = lora_mod.spec(cfg)
+    abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens, lora))
+    if lora is None:
+        graphdef, params = nnx.split(abstract_model, nnx.Param)
+        return graphdef, params, params
+    return nnx.split(abstract_model, lora_mod.ADAPTERS, lora_mod.BASE)
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -108,13 +120,10 @@ class Learner:
         self._check_splits(cfg, mesh)
         self.tx = make_optimizer(cfg, horizon)
         self.lora = lora_mod.spec(cfg)
-        abstract_model = nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens, self.lora))
+        self.graphdef, abstract_params, self.abstract_base = split_model(cfg, vocab_size, n_tokens)
         if self.lora is None:
-            self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-            self.base_graphdef, self.abstract_base = self.graphdef, abstract_params
+            self.base_graphdef = self.graphdef
         else:  # trained: the adapters; the base is frozen beside them
-            self.graphdef, abstract_params, self.abstract_base = nnx.split(abstract_model, lora_mod.ADAPTERS,
-                                                                           lora_mod.BASE)
             self.base_graphdef = nnx.split(nnx.eval_shape(lambda: _new_model(cfg, vocab_size, n_tokens)),
                                            nnx.Param)[0]
         self.param_sh = sharding.param_shardings(abstract_params, mesh)

@@ -149,6 +149,15 @@ class Scheduler:
         if fetched is not None:
             self._record(fetched)
 
+    def abandon(self, slots: Sequence[int]) -> None:
+        """Gives up samples before their end (their source abandoned them: an aborted request):
+        called from `Source.fill` under the lock, or between `run`s. The rollout stops them
+        and their slots are free from the next turn on; a fetched chunk still hands their
+        last tokens to `Source.record`, which knows them for abandoned."""
+        self.rollout.stop(list(slots))
+        for slot in slots:
+            self.slots[slot] = None
+
     def _free(self) -> list[int]:
         # a slot whose sample ended in the fetched chunk is refilled before that chunk is recorded
         return [slot for slot, occ in enumerate(self.slots) if occ is None or self._ended.get(slot) is occ]

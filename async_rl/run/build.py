@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+from flax import nnx
 
 from async_rl import config as C
 from async_rl import faults
@@ -27,7 +28,7 @@ from async_rl.data import rewards
 from async_rl.data.tokenizer import build_tokenizer
 from async_rl.env import identity
 from async_rl.env.interface import load_env, use_env_tools
-from async_rl.learner.step import Learner
+from async_rl.learner.step import Learner, split_model
 from async_rl.model import sharding
 from async_rl.plan import memory
 from async_rl.rollout.backends import make_engine
@@ -159,9 +160,7 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
     if pd.bad_records:
         log(f"data: skipped {len(pd.bad_records)} bad records (data.on_bad_record=skip)")
     _, reward_fn = rewards.reward_for_config(cfg)
-    vocab = cfg.model.vocab_size or tok.vocab_size
-    if vocab < tok.vocab_size:
-        raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
+    vocab = model_vocab(cfg, tok)
     memory.check(cfg, vocab)  # before anything large is allocated
     learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size,
                       horizon=total_steps(cfg, pd))
@@ -172,6 +171,24 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,
                  eval_set=eval_set, env=env)
 
+
+
+def model_vocab(cfg: Config, tok) -> int:
+    """Embedding rows: model.vocab_size, or the tokenizer's vocabulary size."""
+    vocab = cfg.model.vocab_size or tok.vocab_size
+    if vocab < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab}: smaller than the tokenizer's {tok.vocab_size}")
+    return vocab
+
+
+def serving_parts(cfg: Config) -> tuple[Any, Engine, Any]:
+    """What `async-rl serve` generates with: (tokenizer, engine on every device of this
+    process, the engine tree's abstract parameters); no weights, nothing read or written."""
+    tok = build_tokenizer(cfg.tokenizer, synthetic=cfg.data.char_vocab)
+    vocab = model_vocab(cfg, tok)
+    graphdef, trained, base = split_model(cfg, vocab, tok.vocab_size)
+    abstract = trained if base is trained else nnx.merge_state(base, trained)
+    return tok, make_engine(cfg, graphdef, vocab, devices=jax.local_devices()), abstract
 
 
 def choose_start(parts: Parts, log) -> Start:

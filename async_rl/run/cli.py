@@ -1,4 +1,4 @@
-"""Command line: `async-rl train|audit|eval|export|plan`. Parses, prints the resolved config, calls in.
+"""Command line: `async-rl train|audit|eval|export|plan|serve`. Parses, prints the resolved config, calls in.
 
 Owns: argument parsing, help that lists every config group and field, and the mapping
 from error kinds to exit codes (2: usage, config, bad data or checkpoint input; 1: a
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL post-training for LM policies on "
                                 "JAX, with every prompt trained exactly once per epoch across restarts.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_groups_help())
-    sub = p.add_subparsers(dest="cmd", metavar="{train,audit,eval,export,plan}")
+    sub = p.add_subparsers(dest="cmd", metavar="{train,audit,eval,export,plan,serve}")
     t = sub.add_parser("train", help="train (or resume) a run", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=_fields_help())
     t.add_argument("--config", help="YAML preset (e.g. configs/tiny.yaml)")
@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-cost", action="store_true", help="memory only: skip the two cost-model compiles")
     pl.add_argument("--no-engine", action="store_true", help="the learner step only: skip the engine's compiles")
     pl.add_argument("overrides", nargs="*", help="group.field=value")
+    sv = sub.add_parser("serve", help="a generation server over HTTP that trainers publish weights to and sample "
+                        "from (docs/fleet.md; needs the [fleet] extra)")
+    sv.add_argument("--config", help="YAML preset: the trainer's, so that model, tokenizer and sampling match")
+    sv.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one (printed)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("overrides", nargs="*", help="group.field=value")
     return p
 
 
@@ -156,6 +162,8 @@ def _main(argv: list[str] | None) -> int:
         return _plan(args)
     if args.cmd == "train":
         return _train(args)
+    if args.cmd == "serve":
+        return _serve(args)
     from async_rl.store.remote_io import StorageError
     read = {"audit": _audit, "eval": _eval, "export": _export}[args.cmd]
     try:  # the read-only commands: bad input and an unusable store are exit 2
@@ -221,6 +229,32 @@ def _train(args) -> int:
         return train(cfg).exit_code
     except Exception as e:
         return _train_failed(cfg, e)
+
+
+def _serve(args) -> int:
+    """Resolve and print the config, build the engine, serve until SIGTERM/SIGINT (exit 0)."""
+    import importlib.util
+    if any(importlib.util.find_spec(m) is None for m in ("starlette", "uvicorn")):
+        return _err("async-rl serve needs its HTTP server: pip install 'async_rl[fleet]'", 2)
+    from async_rl.model import hf
+    try:
+        cfg = hf.resolve(C.load(args.config, args.overrides))
+    except UsageError as e:
+        return _err(str(e), 2)
+    print("# resolved config\n" + C.to_yaml(cfg), flush=True)
+    if cfg.engine.backend == "vllm":
+        return _err("engine.backend=vllm: async-rl serve runs the built-in engine (for vLLM, serve with vLLM itself)", 2)
+    from async_rl.rollout.server import serve
+    from async_rl.run.build import compilation_cache, serving_parts
+    try:
+        with compilation_cache(cfg.run.compilation_cache, cfg.run.compilation_cache_max_gb):
+            tok, engine, abstract = serving_parts(cfg)
+            if signals.requested():
+                print("stopped before serving", flush=True)
+                return 0
+            return serve(cfg, tok, engine, abstract, host=args.host, port=args.port, log=_warn)
+    except UsageError as e:
+        return _err(str(e), 2)
 
 
 def _train_failed(cfg, e: Exception) -> int:

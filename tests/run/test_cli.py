@@ -127,3 +127,10 @@ def test_train_help_and_the_env_table_name_every_built_in_env(capsys):
     for name in BUILTIN_ENVS:
         assert name in line, line
         assert f"\n| `{name}` |" in table, name
+
+
+def test_serve_without_the_fleet_extra_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    assert main(["serve", "--config", str(ROOT / "configs/tiny.yaml"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'async_rl[fleet]'" in err[0], err
