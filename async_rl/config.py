@@ -210,7 +210,11 @@ class EngineConfig:
     top_p: float = 1.0  # nucleus mass kept; 1 = off
     steps_per_call: int = 8  # decode steps per engine call (one dispatch and host sync per K tokens)
     prefill_rows: int = 32  # sequences per batched prefill call (deterministic runs: 1), rows
-    backend: str = "builtin"  # builtin | vllm (in-process vLLM on model.hf_path; the [vllm] extra)
+    backend: str = "builtin"  # builtin | vllm (in-process vLLM on model.hf_path; the [vllm] extra) | remote (servers)
+    servers: str = ""  # remote: generation servers, comma-separated http:// URLs (`async-rl serve`)
+    servers_file: str = ""  # remote: a file of server URLs, one per line, re-read every few seconds
+    servers_dns: str = ""  # remote: host:port; every address the host resolves to is a server
+    health_timeout_s: float = 60.0  # remote: a server silent this long loses its samples, seconds
     gpu_memory_utilization: float = 0.45  # vllm on GPU: fraction of GPU memory vLLM takes (JAX gets the rest)
     vllm_cpu_kv_cache_gib: int = 1  # vllm on CPU: KV-cache space, GiB
     vllm_enforce_eager: bool = False  # vllm: no torch.compile/graph capture (faster start, slower steps)
@@ -225,7 +229,10 @@ class EngineConfig:
         _check(0 < self.top_p <= 1, "engine.top_p", self.top_p, "must be in (0, 1]")
         _check(self.steps_per_call >= 1, "engine.steps_per_call", self.steps_per_call, "must be >= 1")
         _check(self.prefill_rows >= 1, "engine.prefill_rows", self.prefill_rows, "must be >= 1")
-        _one_of("engine.backend", self.backend, ("builtin", "vllm"))
+        _one_of("engine.backend", self.backend, ("builtin", "vllm", "remote"))
+        _check(self.health_timeout_s > 0, "engine.health_timeout_s", self.health_timeout_s, "must be > 0")
+        _check(self.backend != "remote" or bool(self.servers or self.servers_file or self.servers_dns), "engine.backend",
+               self.backend, "remote needs engine.servers, engine.servers_file or engine.servers_dns")
         _check(0 < self.gpu_memory_utilization < 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
                "must be in (0, 1)")
         _check(self.vllm_cpu_kv_cache_gib >= 1, "engine.vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib,
@@ -282,8 +289,7 @@ class SamplerConfig:
         _check(self.max_lookahead >= 0, "sampler.max_lookahead", self.max_lookahead, "must be >= 0")
         if self.max_staleness is not None:
             _check(self.max_staleness >= 0, "sampler.max_staleness", self.max_staleness, "must be >= 0")
-        _check(self.max_buffered_groups >= 0, "sampler.max_buffered_groups",
-               self.max_buffered_groups, "must be >= 0")
+        _check(self.max_buffered_groups >= 0, "sampler.max_buffered_groups", self.max_buffered_groups, "must be >= 0")
 
 LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}  # learner.lora_targets' groups
 
@@ -420,8 +426,7 @@ class EvalConfig:
         _check(self.every_steps >= 0, "eval.every_steps", self.every_steps, "must be >= 0")
         _check(self.num_records >= 0, "eval.num_records", self.num_records, "must be >= 0")
         _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
-        _check(not self.at_start or self.every_steps > 0, "eval.at_start", self.at_start,
-               "needs eval.every_steps > 0")
+        _check(not self.at_start or self.every_steps > 0, "eval.at_start", self.at_start, "needs eval.every_steps > 0")
 
 
 @dataclass(frozen=True)
@@ -472,14 +477,15 @@ class Config:
             _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor, "engine.backend=vllm runs on one device here")
             _check(self.learner.lora_rank <= 512, "learner.lora_rank", self.learner.lora_rank,
                    "must be <= 512 with engine.backend=vllm (vLLM's largest max_lora_rank)")
+        _check(not (self.run.determinism and self.engine.backend == "remote"), "run.determinism", True,
+               "needs engine.backend=builtin (a fleet's samples move between servers as they come and go)")
         if self.rollout.env:
             _check(not self.run.determinism, "run.determinism", True, "not with rollout.env (env steps finish in any order)")
         if s.name == "in_order":
             _check(s.max_staleness is None, "sampler.max_staleness", s.max_staleness,
                    "applies to fifo/windowed; in_order bounds staleness with sampler.max_lookahead")
         else:
-            _check(not self.run.determinism, "run.determinism", True,
-                   f"needs sampler.name=in_order (got {s.name})")
+            _check(not self.run.determinism, "run.determinism", True, f"needs sampler.name=in_order (got {s.name})")
             _check(s.max_staleness is not None, "sampler.max_staleness", s.max_staleness,
                    f"required for sampler.name={s.name} (the oldest policy lag a trained group may have)")
         if self.rollout.filter_zero_variance:

@@ -91,6 +91,8 @@ class Rates:
         if stats.env_submitted:  # multi-turn episodes: env steps asked for and recorded (cumulative)
             out["rollout/env_steps"], out["rollout/env_requested"] = stats.env_steps, stats.env_submitted
             out["rollout/env_observations_cut"] = stats.env_cut
+        if getattr(stats, "moved", 0):  # a fleet: samples continued on another server (cumulative)
+            out["rollout/samples_moved"] = stats.moved
         self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
         self._swap = stats.swap_s
         return out

@@ -41,6 +41,9 @@ class RunSide:
     n_tokens: int  # the tokenizer's vocabulary size
     spare_slots: int  # room for an evaluation view beside the run's slots
     lora: Any  # the learner's LoRA spec, or None
+    tok: Any = None  # the tokenizer (a fleet's servers must have the same)
+    run_dir: Any = None
+    run_tag: str = ""  # the run's identity and attempt: names its requests on shared servers
     log: Callable[[str], None] = print
 
 
@@ -55,7 +58,21 @@ def _vllm(cfg: C.Config, run: RunSide) -> Rollout:
                        lora=run.lora)
 
 
-_TRAINING: dict[str, Callable[[C.Config, RunSide], Rollout]] = {"builtin": _builtin, "vllm": _vllm}
+def _remote(cfg: C.Config, run: RunSide) -> Rollout:
+    import jax
+
+    from async_rl.rollout import weights
+    from async_rl.rollout.remote import RemoteRollout
+    if jax.process_count() > 1:
+        raise C.ConfigError("engine.backend=remote: one training process drives the fleet "
+                            f"(this run has {jax.process_count()})")
+    return RemoteRollout(cfg, fingerprint=weights.fingerprint(cfg, run.tok), run_dir=run.run_dir,
+                         run_tag=run.run_tag, n_tokens=run.n_tokens, stop_ids=run.stop_ids, params=run.params,
+                         version=run.version, log=run.log)
+
+
+_TRAINING: dict[str, Callable[[C.Config, RunSide], Rollout]] = {"builtin": _builtin, "vllm": _vllm,
+                                                                 "remote": _remote}
 
 
 def prepare(cfg: C.Config) -> None:

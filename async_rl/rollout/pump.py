@@ -39,6 +39,7 @@ class PumpStats(SlotStats):  # busy_s and calls: the scheduler's
     env_steps: int = 0  # env steps recorded (multi-turn episodes)
     env_submitted: int = 0  # env steps requested
     env_cut: int = 0  # observations cut to rollout.max_observation_chars/_tokens
+    moved: int = 0  # samples whose slot the backend lost (a server went down), continued elsewhere
 
 
 class Pump:
@@ -248,6 +249,7 @@ class Pump:
     def release(self, occupants: list) -> None:
         """Under the lock: leases the backend lost; their samples start again elsewhere."""
         self.alloc.release(occupants)
+        self.stats.moved += len(occupants)
 
     def record(self, pieces: list[Piece], version: int) -> None:
         """Appends a chunk's tokens, logprobs and versions to their samples (the lists were

@@ -100,6 +100,7 @@ def event(rid: str, item) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+KEEPALIVE, KEEPALIVE_S = b": keepalive\n\n", 2.0  # SSE comment lines clients skip; seconds between them
 
 
 def one_line(e) -> str:
@@ -210,7 +211,11 @@ class Api:
         over = False
         try:
             while True:
-                item = await q.get()
+                try:  # a comment line while the engine compiles or the request waits: the server is alive
+                    item = await asyncio.wait_for(q.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield KEEPALIVE
+                    continue
                 if item is None:
                     over = True
                     yield DONE

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import secrets
 import sys
 import time
 
@@ -131,7 +132,8 @@ class Session:
         rollout = backends.for_training(cfg, backends.RunSide(
             engine=self.engine, params=params_e, version=self.step, stop_ids=self.stop_ids,
             n_tokens=parts.tok.vocab_size, spare_slots=eval_slots(cfg) if self.primary else 0,
-            lora=self.learner.lora, log=log))
+            lora=self.learner.lora, tok=parts.tok, run_dir=parts.run_dir,
+            run_tag=f"{rundir.run_identity(parts.run_dir)}.{secrets.token_hex(4)}", log=log))
         episodes, env_runner = self._episodes(cfg, parts)
         self.pump = Pump(ledger=self.ledger, sampler=self.sampler, rollout=rollout, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,

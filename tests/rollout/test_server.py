@@ -110,7 +110,7 @@ def stream(http, payload: dict, first=None) -> tuple[list[dict], bool]:
     with http.stream("POST", "/v1/completions", json=payload) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
-            if not line:
+            if not line or line == ": keepalive":  # a comment while the engine compiles or the request waits
                 continue
             assert line.startswith("data: "), line
             if line == "data: [DONE]":

@@ -1,0 +1,210 @@
+"""The fleet: which generation servers a run has, whether each may take work, and its weights.
+
+Owns: membership (`engine.servers`, `engine.servers_file` re-read every few seconds,
+`engine.servers_dns` resolved to every address behind a name), joining a server (its
+`/v1/fleet/info` fingerprint against the run's: one line naming the field when they differ,
+and the server is refused), giving it the weights version the run is on before it gets work
+(`/update_weights` with the file `publish` wrote under run.dir), health (a server that fails
+a probe or a stream is down; one silent past `engine.health_timeout_s` is down; a down server
+is asked again and rejoins), and the version files' lifetime. Every call is bounded.
+Does not own: the samples on a server or their streams (`remote`), the weights file format
+(`weights`), which sample goes where (`allocator`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass, field
+
+from async_rl.rollout import weights
+from async_rl.store import runfiles, storage
+
+PROBE_EVERY_S = 2.0  # membership re-read and health probes
+KEEP_VERSIONS = 3  # version files kept (a joining server may still be loading an older one)
+
+
+@dataclass(eq=False)
+class Server:
+    url: str
+    state: str = "new"  # new | joining | ready | down | refused | gone
+    version: int | None = None  # weights it holds
+    capacity: int = 0  # samples it generates at once
+    active: int = 0  # samples of this run on it now
+    last_ok: float = field(default_factory=time.monotonic)  # last answer of any kind
+    why: str = ""  # why it is down or refused (said once)
+
+
+def parse_urls(text: str, source: str) -> list[str]:
+    """URLs from a comma- or line-separated list; raises ValueError naming the bad entry."""
+    urls = []
+    for raw in text.replace(",", "\n").splitlines():
+        u = raw.split("#", 1)[0].strip().rstrip("/")
+        if not u:
+            continue
+        if not u.startswith(("http://", "https://")) or not u.split("//", 1)[1]:
+            raise ValueError(f"{source}: {u!r} is not an http:// or https:// URL")
+        urls.append(u)
+    return urls
+
+
+class Fleet:
+    """The servers of one run, driven from the backend's event loop (`remote.RemoteRollout`)."""
+
+    def __init__(self, cfg, fingerprint: dict, run_dir, client, log, on_change):
+        e = cfg.engine
+        self.static, self.file, self.dns = e.servers, e.servers_file, e.servers_dns
+        self.timeout_s = e.health_timeout_s
+        self.fingerprint, self.client, self.log, self.on_change = fingerprint, client, log, on_change
+        self.dir = storage.run_path(run_dir) / runfiles.FLEET_WEIGHTS
+        self.servers: dict[str, Server] = {}
+        self.current: tuple[int, str] | None = None  # (version, uri) every server should hold
+        self.given: set[int] = set()  # versions published to the fleet (a server reporting another is garbage)
+        self._file_said = ""
+        self._waiting_said = 0.0
+
+    # ---- membership -------------------------------------------------------------------------
+
+    async def members(self) -> list[str] | None:
+        """The URLs the config names now; None where a source could not be read (kept as was)."""
+        urls = parse_urls(self.static, "engine.servers") if self.static else []
+        if self.file:
+            try:
+                text = await asyncio.to_thread(storage.read_text, self.file)
+                urls += parse_urls(text, f"engine.servers_file={self.file}")
+                self._file_said = ""
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                why = f"fleet: engine.servers_file={self.file}: {e}; the previous servers are kept"
+                if why != self._file_said:
+                    self.log(why)
+                    self._file_said = why
+                return None
+        if self.dns:
+            host, _, port = self.dns.rpartition(":")
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                urls += sorted({f"http://{_host(i[4][0])}:{port}" for i in infos})
+            except (OSError, ValueError) as e:
+                self.log(f"fleet: engine.servers_dns={self.dns} did not resolve ({e}); the previous servers are kept")
+                return None
+        return list(dict.fromkeys(urls))
+
+    async def refresh(self) -> list[Server]:
+        """Re-reads membership; returns the servers that left (their samples go elsewhere)."""
+        urls = await self.members()
+        gone = []
+        if urls is not None:
+            for url in urls:
+                if url not in self.servers or self.servers[url].state == "gone":
+                    self.servers[url] = Server(url)
+            for url, s in self.servers.items():
+                if url not in urls and s.state != "gone":
+                    self.log(f"fleet: server {url} left the servers list")
+                    s.state = "gone"
+                    gone.append(s)
+        return gone
+
+    # ---- joining, health, weights -------------------------------------------------------------
+
+    async def probe(self, s: Server) -> bool:
+        """One health probe of a ready server; False once it is down."""
+        try:
+            r = await self.client.get(f"{s.url}/health", timeout=min(5.0, self.timeout_s))
+            r.raise_for_status()
+            s.last_ok = time.monotonic()
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure to answer is the server's
+            if time.monotonic() - s.last_ok > self.timeout_s:
+                self.down(s, f"no answer for {self.timeout_s:g} s ({type(e).__name__})")
+                return False
+            return True
+
+    async def join(self, s: Server) -> None:
+        """Asks a new or down server who it is and gives it the run's weights; ready after. A
+        down server that still does not answer stays down without another line."""
+        was_down, s.state = s.state == "down", "joining"
+        try:
+            r = await self.client.get(f"{s.url}/v1/fleet/info", timeout=min(10.0, self.timeout_s))
+            r.raise_for_status()
+            info = r.json()
+            if info.get("kind") != "async-rl":
+                return self.refuse(s, f"kind is {info.get('kind')!r}, not 'async-rl'")
+            why = weights.mismatch(self.fingerprint, info.get("fingerprint") or {})
+            if why is not None:
+                return self.refuse(s, why)
+            s.capacity = int(info["capacity"])
+            s.version = info.get("version")
+            if self.current is not None and s.version != self.current[0]:
+                await self.push(s, *self.current)
+            if s.state == "joining":
+                was = s.why
+                s.state, s.last_ok, s.why = "ready", time.monotonic(), ""
+                self.log(f"fleet: server {s.url} {'is back' if was else 'joined'} "
+                         f"(capacity {s.capacity}, weights version {s.version})")
+                self.on_change()
+        except Exception as e:  # noqa: BLE001 - unreachable, refused or malformed: down, asked again later
+            if s.state == "joining" and was_down:
+                s.state = "down"
+            elif s.state == "joining":
+                self.down(s, f"{type(e).__name__}: {e}".strip().split("\n")[0][:200])
+
+    async def push(self, s: Server, version: int, uri: str) -> None:
+        """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited)."""
+        r = await self.client.post(f"{s.url}/update_weights", json={"version": version, "uri": uri},
+                                   timeout=max(60.0, self.timeout_s))
+        if r.status_code != 200:
+            raise RuntimeError(f"/update_weights answered {r.status_code}: {r.text[:200]}")
+        got = r.json().get("version")
+        if got != version:
+            raise RuntimeError(f"/update_weights answered version {got}, asked {version}")
+        if self.current is None or version >= (s.version or -1):
+            s.version = version
+        s.last_ok = time.monotonic()
+        self.on_change()
+
+    async def push_all(self, version: int, uri: str) -> None:
+        async def one(s):
+            try:
+                await self.push(s, version, uri)
+            except Exception as e:  # noqa: BLE001
+                self.down(s, f"loading weights version {version} failed: {e}")
+        await asyncio.gather(*(one(s) for s in self.servers.values() if s.state == "ready"))
+
+    def publish(self, params, version: int) -> str:
+        """Writes `version` for the fleet (pump thread) and keeps the newest few files."""
+        storage.mkdirs(self.dir)
+        uri = storage.url(self.dir / f"v{version:010d}.npz")
+        weights.save(uri, params, version)
+        self.current = (version, uri)
+        self.given.add(version)
+        for name in sorted(n for n in storage.listdir(self.dir) if n.endswith(".npz"))[:-KEEP_VERSIONS]:
+            storage.remove(self.dir / name)
+        return uri
+
+    def down(self, s: Server, why: str) -> None:
+        if s.state in ("down", "gone", "refused"):
+            return
+        s.state, s.why = "down", why
+        self.log(f"fleet: server {s.url} is down: {why}; its samples continue on other servers")
+        self.on_change()
+
+    def refuse(self, s: Server, why: str) -> None:
+        s.state, s.why = "refused", why
+        self.log(f"fleet: refused server {s.url}: {why}")
+
+    def ready(self, version: int) -> list[Server]:
+        """Servers that may take new samples: up and holding the run's weights."""
+        return [s for s in self.servers.values() if s.state == "ready" and s.version == version]
+
+    def say_waiting(self, every_s: float = 30.0) -> None:
+        """With no server able to take work, says so once per interval."""
+        now = time.monotonic()
+        if now - self._waiting_said >= every_s:
+            self._waiting_said = now
+            named = ", ".join(f"{s.url} ({s.state}{': ' + s.why if s.why else ''})" for s in self.servers.values())
+            self.log(f"fleet: waiting for a generation server: none ready ({named or 'none named yet'})")
+
+
+def _host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
