@@ -17,8 +17,8 @@ call is a dictionary lookup.
 
 `ASYNC_RL_DELAY` (comma-separated `point:seconds`, e.g. `generate:0.01,step:0.5`) sleeps
 at `generate` (after each engine generate call, per decode step in it: seconds a token),
-`step` (after each learner step) and `exit` (the CLI's command has returned, the process is
-about to exit; it prints a line first).
+`step` (after each learner step), `weights` (`async-rl serve` loading a weights version) and
+`exit` (the CLI's command has returned, the process is about to exit; it prints a line first).
 
 `ASYNC_RL_FAULT_COMMIT` (`module:Class`) names the temporary-path class Orbax commits a local
 step with while `ASYNC_RL_FAULT` has enospc points (the tests' stand-in for a full disk at the
@@ -53,8 +53,12 @@ def _parse(kill_at: str, fault: str, delay: str) -> tuple:
     # wait:<what>:<seconds>: a shorter bound on a wait, where what = pump_stop (how long
     # stopping the run waits for the pump thread to leave a compile or device call)
     waits = {p.split(":")[1]: float(p.split(":")[2]) for p in parts if p.startswith("wait:")}
+    # garble:<kind>:<n>: `async-rl serve` sends its n-th completion event garbled, kind = token
+    # (an id past the vocabulary), version (a weights version it was never given), cut (the
+    # stream ends inside the event)
+    garble = {int(p.split(":")[2]): p.split(":")[1] for p in parts if p.startswith("garble:")}
     delays = {k: float(v) for k, v in (p.split(":", 1) for p in delay.split(",") if ":" in p)}
-    return points, enospc, fail, waits, delays
+    return points, enospc, fail, waits, delays, garble
 
 
 def _spec() -> tuple:
@@ -79,6 +83,12 @@ def fail(where: str) -> None:
         _calls[where] = n = _calls.get(where, 0) + 1
         if (where, str(n)) in failing:
             raise RuntimeError(f"injected failure ({where} call {n})")
+
+
+def garbled(n: int) -> str | None:
+    """How the n-th completion event of this server is garbled (`garble:<kind>:<n>`), or None."""
+    garble = _spec()[5]
+    return garble.get(n) if garble else None
 
 
 def wait_s(what: str, default: float) -> float:

@@ -74,8 +74,9 @@ class Fleet:
                 text = await asyncio.to_thread(storage.read_text, self.file)
                 urls += parse_urls(text, f"engine.servers_file={self.file}")
                 self._file_said = ""
-            except (OSError, ValueError, UnicodeDecodeError) as e:
-                why = f"fleet: engine.servers_file={self.file}: {e}; the previous servers are kept"
+            except (OSError, ValueError) as e:  # parse_urls' lines name the file already
+                named = str(e) if type(e) is ValueError else f"engine.servers_file={self.file}: {e}"
+                why = f"fleet: {named}; the previous servers are kept"
                 if why != self._file_said:
                     self.log(why)
                     self._file_said = why

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from async_rl import signals
+from async_rl import faults, signals
 from async_rl.rollout import weights
 from async_rl.rollout.server_loop import Request, ServerLoop
 from async_rl.store.remote_io import StorageError
@@ -99,6 +99,16 @@ def event(rid: str, item) -> bytes:
     return b"data: " + json.dumps(out).encode() + b"\n\n"
 
 
+def garble(rid: str, item, kind: str) -> bytes:
+    """A fault test's event (`faults.garbled`): what a broken or foreign server might send."""
+    tokens, logprobs, versions, finish = item
+    if kind == "token":
+        return event(rid, ([10**6] + list(tokens[1:]), logprobs, versions, finish))
+    if kind == "version":
+        return event(rid, (tokens, logprobs, [v + 1000 for v in versions], finish))
+    return event(rid, item)[:20]  # cut: the stream ends inside the event
+
+
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE, KEEPALIVE_S = b": keepalive\n\n", 2.0  # SSE comment lines clients skip; seconds between them
 
@@ -116,6 +126,7 @@ class Api:
         self.max_new_tokens = max_new_tokens
         self.json = JSONResponse
         self.loading = asyncio.Lock()  # one weights file loaded at a time
+        self.events = 0  # completion events sent (fault tests garble the n-th, `faults.garbled`)
 
     def app(self):
         from starlette.applications import Starlette
@@ -157,6 +168,7 @@ class Api:
                 "paused": self.loop.paused}
 
     def _place(self, uri: str):
+        faults.delay("weights")  # a fault test's slow fetch (ASYNC_RL_DELAY=weights:<s>): a kill lands inside it
         return self.engine.load_params(weights.load(uri, self.like))
 
     async def update_weights(self, req):
@@ -221,6 +233,12 @@ class Api:
                     yield DONE
                     return
                 over = isinstance(item, str)
+                self.events += 1
+                if (kind := faults.garbled(self.events)) is not None and not over:
+                    yield garble(r.id, item, kind)
+                    if kind == "cut":
+                        return
+                    continue
                 yield event(r.id, item)
                 if over:
                     return

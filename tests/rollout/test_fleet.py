@@ -2,71 +2,18 @@
 servers SIGKILLed, restarted and replaced while the learner trains, the trainer SIGKILLed and
 resumed; every prompt is trained exactly once, and the learner goes on while a server is down."""
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
-from helpers import FAST, kill9, lineage, run_cli, spawn, wait_for_step
+from fleet_servers import SHARED, TRAIN, Server, stop_all, write_servers
+from helpers import kill9, lineage, run_cli, spawn, wait_for_step
 
 from async_rl.state.audit import audit
 
 pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
-
-# what shapes the model, the sampling and the engine: the servers run the trainer's own
-SHARED = [*FAST, "data.num_records=32", "rollout.prompts_per_step=2", "data.num_epochs=1",
-          "engine.max_concurrent_decodes=4", "engine.steps_per_call=2"]
-TRAIN = ["checkpoint.every_steps=1", "checkpoint.keep=2", "engine.health_timeout_s=10", "engine.max_concurrent_decodes=8"]
-
-
-STARTED: list = []  # every server a test started (killed at its end)
-
-
-class Server:
-    """One `async-rl serve` process on a free loopback port, generating at most a token per
-    `delay` seconds (so a kill finds samples in flight); `url` once it says it listens."""
-
-    def __init__(self, *overrides: str, delay: float = 0.02):
-        STARTED.append(self)
-        cmd = [sys.executable, "-m", "async_rl", "serve", "--config", "configs/tiny.yaml", "--port", "0",
-               *SHARED, *overrides]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                                              ASYNC_RL_DELAY=f"generate:{delay}"))
-        self.lines: list[str] = []
-        self.url = ""
-        self._listening = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("serving on "):
-                self.url = line.split()[-1].strip()
-                self._listening.set()
-        self._listening.set()
-
-    def ready(self) -> "Server":
-        if not self._listening.wait(240) or not self.url:
-            self.proc.kill()
-            pytest.fail("the server did not start:\n" + "".join(self.lines[-40:]))
-        return self
-
-    def kill(self) -> bool:
-        return kill9(self.proc)
-
-
-def write_servers(path, servers) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{s.url}\n" for s in servers))
-    tmp.replace(path)  # the trainer re-reads it: never a half-written file
-
 
 @pytest.mark.slow
 def test_servers_and_trainer_killed_at_random_moments_every_prompt_once(tmp_path, xla_cache):
@@ -112,10 +59,7 @@ def test_servers_and_trainer_killed_at_random_moments_every_prompt_once(tmp_path
     finally:
         if p is not None and p.poll() is None:
             kill9(p)
-        for s in STARTED:
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGKILL)
-                s.proc.wait(timeout=30)
+        stop_all()
     print(f"fleet: {server_kills} server and {trainer_kills} trainer SIGKILLs delivered")
     print("".join(line for line in said.splitlines(True) if line.startswith(("fleet:", "step", "resum"))))
     assert server_kills == 3 and trainer_kills == 2
@@ -128,3 +72,40 @@ def test_servers_and_trainer_killed_at_random_moments_every_prompt_once(tmp_path
     for t in killed_at:  # the learner went on: a step within health_timeout_s (10) and a step's time of each kill
         after = min(m["time"] for m in metrics if m["time"] > t)
         assert after - t <= 10 + 10, f"no step for {after - t:.1f} s after a server was killed"
+
+
+EPISODES = ["data.task=recall", "data.min_digits=4", "data.max_digits=4", "model.learned_positions=0",
+            "rollout.max_new_tokens=20", "rollout.turn_max_tokens=3", "rollout.env=recall"]
+LORA = ["learner.lora_rank=4", "learner.lora_alpha=8", "learner.warmup_steps=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["episodes", "lora"])
+def test_a_server_killed_mid_run_of_episodes_or_lora_loses_nothing(tmp_path, xla_cache, kind):
+    """Multi-turn episodes (env steps stay on the trainer, exactly once) and LoRA (the engine's
+    tree is the base and the adapters) on a fleet of two, one killed at a random moment."""
+    extra = EPISODES if kind == "episodes" else LORA
+    rng = random.Random(1)
+    run_dir, servers_file = tmp_path / "run", tmp_path / "servers.txt"
+    a, b = Server(*extra), Server(*extra)
+    write_servers(servers_file, [a.ready(), b.ready()])
+    overrides = [*SHARED, *TRAIN, *extra, "data.num_records=16", "engine.backend=remote",
+                 f"engine.servers_file={servers_file}"]
+    p = None
+    try:
+        p = spawn(run_dir, *overrides, cache=xla_cache)
+        assert wait_for_step(run_dir, 2, p, timeout=240), p.stderr.read()[-3000:]
+        time.sleep(rng.uniform(0, 0.3))
+        assert a.kill()
+        assert p.wait(timeout=300) == 0, p.stderr.read()[-3000:]
+        said = p.stderr.read()
+    finally:
+        if p is not None and p.poll() is None:
+            kill9(p)
+        stop_all()
+    assert f"fleet: server {a.url} is down" in said, said[-3000:]
+    rep = audit(run_dir)
+    assert rep["ok"], rep
+    assert sorted(r["prompt_id"] for r in lineage(run_dir)) == list(range(16))
+    if kind == "episodes":
+        assert rep["env_steps"]["recorded"] > 0 and rep["env_steps"]["unused"] == 0, rep["env_steps"]
