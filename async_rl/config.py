@@ -477,8 +477,6 @@ class Config:
             _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor, "engine.backend=vllm runs on one device here")
             _check(self.learner.lora_rank <= 512, "learner.lora_rank", self.learner.lora_rank,
                    "must be <= 512 with engine.backend=vllm (vLLM's largest max_lora_rank)")
-        _check(not (self.run.determinism and self.engine.backend == "remote"), "run.determinism", True,
-               "needs engine.backend=builtin (a fleet's samples move between servers as they come and go)")
         if self.rollout.env:
             _check(not self.run.determinism, "run.determinism", True, "not with rollout.env (env steps finish in any order)")
         if s.name == "in_order":

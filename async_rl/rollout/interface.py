@@ -77,6 +77,8 @@ class BuiltinRollout:
     `prefill_many`, `insert_many`, `generate_steps_async`, `active_slots`, `free_many`,
     `update_params`). Params passed in are the engine's current ones (not re-placed)."""
 
+    bit_identical = True  # a sample's tokens depend only on its key and weights (run.determinism)
+
     def __init__(self, engine, params, version: int, *, deterministic: bool = False, prefill_rows: int = 32):
         self.engine, self.params, self.version = engine, params, version
         self.capacity = engine.max_concurrent_decodes

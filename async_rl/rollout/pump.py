@@ -26,7 +26,7 @@ from async_rl.data.tokenizer import completion_text
 from async_rl.env.interface import EnvError
 from async_rl.errors import RunFailure
 from async_rl.rollout.allocator import Allocator
-from async_rl.rollout.interface import BuiltinRollout, Rollout
+from async_rl.rollout.interface import Rollout
 from async_rl.rollout.scheduler import Fill, Piece, Scheduler, SlotStats
 
 
@@ -61,8 +61,8 @@ class Pump:
         if deterministic and env is not None:
             raise ValueError("run.determinism: not with rollout.env (env steps finish in any order)")
         self._stops = frozenset(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
-        if deterministic and not isinstance(rollout, BuiltinRollout):
-            raise ValueError("run.determinism: only the built-in engine is deterministic")
+        if deterministic and not getattr(rollout, "bit_identical", False):
+            raise ValueError("run.determinism: only the built-in engine (in-process or on servers) is deterministic")
         self.published: dict[int, object] = {version: params}
         # leaves of published versions not yet seen computed (flattened once, at publication:
         # the pump asks at every wake-up, and flattening the tree cost more than the check)

@@ -49,6 +49,10 @@ class _Stream:
 
 
 class RemoteRollout:
+    # `async-rl serve` prefills each sequence alone: a sample's tokens depend only on its key and
+    # weights, never on the server or what else it generates (run.determinism)
+    bit_identical = True
+
     def __init__(self, cfg, *, fingerprint: dict, run_dir, run_tag: str, n_tokens: int, stop_ids, params,
                  version: int, log=print):
         try:

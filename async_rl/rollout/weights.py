@@ -132,7 +132,7 @@ def fingerprint(cfg, tok) -> dict:
     e = cfg.engine
     out |= {"engine.temperature": float(e.temperature), "engine.top_k": int(e.top_k), "engine.top_p": float(e.top_p),
             "engine.max_prompt_len": int(e.max_prompt_len), "rollout.max_new_tokens": int(cfg.rollout.max_new_tokens),
-            "run.seed": int(cfg.run.seed)}
+            "run.seed": int(cfg.run.seed), "run.determinism": int(cfg.run.determinism)}
     return out
 
 

@@ -109,3 +109,22 @@ def test_a_server_killed_mid_run_of_episodes_or_lora_loses_nothing(tmp_path, xla
     assert sorted(r["prompt_id"] for r in lineage(run_dir)) == list(range(16))
     if kind == "episodes":
         assert rep["env_steps"]["recorded"] > 0 and rep["env_steps"]["unused"] == 0, rep["env_steps"]
+
+
+@pytest.mark.slow
+def test_a_deterministic_run_on_servers_ends_with_the_in_process_fingerprint(tmp_path, xla_cache):
+    det = ["run.determinism=true", "sampler.max_lookahead=2", "data.num_records=16"]
+    r = run_cli(tmp_path / "in_process", *SHARED, *det, cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = Server(*det), Server(*det)
+    try:
+        servers = f"engine.servers={a.ready().url},{b.ready().url}"
+        r = run_cli(tmp_path / "fleet", *SHARED, *det, "engine.backend=remote", servers, cache=xla_cache)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        stop_all()
+    final = [json.loads((tmp_path / d / "final.json").read_text()) for d in ("in_process", "fleet")]
+    assert final[0]["step"] == final[1]["step"] == 8
+    assert final[0]["fingerprint"] == final[1]["fingerprint"]
+    rewards = [json.loads(x).get("rollout/reward_mean", 0) for x in (tmp_path / "fleet" / "metrics.jsonl").open()]
+    assert max(rewards) > 0, "no reward: the weights never moved, the comparison would prove nothing"
