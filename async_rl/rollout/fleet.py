@@ -196,14 +196,14 @@ class Fleet:
 
     def ready(self, version: int) -> list[Server]:
         """Servers that may take new samples: up and holding the run's weights."""
-        return [s for s in self.servers.values() if s.state == "ready" and s.version == version]
+        return [s for s in list(self.servers.values()) if s.state == "ready" and s.version == version]
 
     def say_waiting(self, every_s: float = 30.0) -> None:
         """With no server able to take work, says so once per interval."""
         now = time.monotonic()
         if now - self._waiting_said >= every_s:
             self._waiting_said = now
-            named = ", ".join(f"{s.url} ({s.state}{': ' + s.why if s.why else ''})" for s in self.servers.values())
+            named = ", ".join(f"{s.url} ({s.state}{': ' + s.why if s.why else ''})" for s in list(self.servers.values()))
             self.log(f"fleet: waiting for a generation server: none ready ({named or 'none named yet'})")
 
 

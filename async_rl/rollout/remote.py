@@ -187,8 +187,13 @@ class RemoteRollout:
                 if self._streams.get(s.start.slot) is not s:
                     continue  # stopped while it waited
                 s.server = min(room, key=lambda v: v.active / v.capacity)
-                s.server.active += 1
+                s.server.active += 1  # given back when the task ends, even one cancelled before it ran
                 s.task = self._loop.create_task(self._run(s))
+                s.task.add_done_callback(lambda _, v=s.server: self._ended_on(v))
+
+    def _ended_on(self, server: Server) -> None:
+        server.active -= 1
+        self._dispatch()
 
     async def _run(self, s: _Stream) -> None:
         srv, st = s.server, s.start
@@ -217,9 +222,6 @@ class RemoteRollout:
                 if not s.ended:
                     self._lose(s, why)
             self.fleet.down(srv, why)
-        finally:
-            srv.active -= 1
-            self._dispatch()
 
     def _take(self, s: _Stream, ev: dict) -> None:
         """One event of a stream, checked before anything of it is kept."""
