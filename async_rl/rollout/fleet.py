@@ -22,6 +22,7 @@ from async_rl.rollout import weights
 from async_rl.store import runfiles, storage
 
 PROBE_EVERY_S = 2.0  # membership re-read and health probes
+SESSION = "session"  # the request tag of the trainer session that drives the fleet now
 KEEP_VERSIONS = 3  # version files kept (a joining server may still be loading an older one)
 
 
@@ -52,17 +53,28 @@ def parse_urls(text: str, source: str) -> list[str]:
 class Fleet:
     """The servers of one run, driven from the backend's event loop (`remote.RemoteRollout`)."""
 
-    def __init__(self, cfg, fingerprint: dict, run_dir, client, log, on_change):
+    def __init__(self, cfg, fingerprint: dict, run_dir, client, log, on_change, run_tag: str = ""):
         e = cfg.engine
         self.static, self.file, self.dns = e.servers, e.servers_file, e.servers_dns
         self.timeout_s = e.health_timeout_s
         self.fingerprint, self.client, self.log, self.on_change = fingerprint, client, log, on_change
         self.dir = storage.run_path(run_dir) / runfiles.FLEET_WEIGHTS
         self.servers: dict[str, Server] = {}
+        # the previous trainer session's tag: its requests still on a server are aborted at join
+        self.run_tag = run_tag
+        self.fence = self._take_session(run_tag) if run_tag else None
         self.current: tuple[int, str] | None = None  # (version, uri) every server should hold
         self.given: set[int] = set()  # versions published to the fleet (a server reporting another is garbage)
         self._file_said = ""
         self._waiting_said = 0.0
+
+    def _take_session(self, tag: str) -> str | None:
+        """Records this session's request tag; returns the one recorded before (a killed trainer's)."""
+        p = self.dir / SESSION
+        before = storage.read_text(p).strip() if storage.exists(p) else None
+        storage.mkdirs(self.dir)
+        storage.write_atomic(p, tag + "\n")
+        return before or None
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -134,9 +146,15 @@ class Fleet:
             why = weights.mismatch(self.fingerprint, info.get("fingerprint") or {})
             if why is not None:
                 return self.refuse(s, why)
+            if self.fence:  # the previous session's requests never mix into this one's
+                r = await self.client.post(f"{s.url}/abort_requests", json={"run": self.fence},
+                                           timeout=min(10.0, self.timeout_s))
+                r.raise_for_status()
+                if n := r.json().get("aborted", 0):
+                    self.log(f"fleet: server {s.url}: aborted {n} requests of the previous trainer session")
             s.capacity = int(info["capacity"])
-            s.version = info.get("version")
-            if self.current is not None and s.version != self.current[0]:
+            s.version = None  # what it holds may be another session's: it loads this one's
+            if self.current is not None:
                 await self.push(s, *self.current)
             if s.state == "joining":
                 was = s.why
@@ -152,7 +170,7 @@ class Fleet:
 
     async def push(self, s: Server, version: int, uri: str) -> None:
         """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited)."""
-        r = await self.client.post(f"{s.url}/update_weights", json={"version": version, "uri": uri},
+        r = await self.client.post(f"{s.url}/update_weights", json={"version": version, "uri": uri, "run": self.run_tag},
                                    timeout=max(60.0, self.timeout_s))
         if r.status_code != 200:
             raise RuntimeError(f"/update_weights answered {r.status_code}: {r.text[:200]}")

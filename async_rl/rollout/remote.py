@@ -72,7 +72,7 @@ class RemoteRollout:
         self._thread = threading.Thread(target=self._loop.run_forever, name="fleet", daemon=True)
         self._thread.start()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0))
-        self.fleet = Fleet(cfg, fingerprint, run_dir, self._client, log, self._changed)
+        self.fleet = Fleet(cfg, fingerprint, run_dir, self._client, log, self._changed, run_tag=run_tag)
         self.fleet.publish(params, version)
         self._ticker = asyncio.run_coroutine_threadsafe(self._tick(), self._loop)
 

@@ -126,6 +126,7 @@ class Api:
         self.max_new_tokens = max_new_tokens
         self.json = JSONResponse
         self.loading = asyncio.Lock()  # one weights file loaded at a time
+        self.held_run: str | None = None  # the session tag the weights held came with
         self.events = 0  # completion events sent (fault tests garble the n-th, `faults.garbled`)
 
     def app(self):
@@ -178,11 +179,14 @@ class Api:
         try:
             body = await self.body_of(req)
             version, uri = _int(body, "version"), _str(body, "uri")
+            run = _str(body, "run") if "run" in body else None  # a trainer session's tag
         except BadRequest as e:
             return self.error(400, e)
         async with self.loading:
             held = self.loop.version
-            if held is not None and version < held:
+            # versions only grow within one trainer session; a restarted trainer starts again
+            # from its checkpoint, older than what the killed one published
+            if held is not None and version < held and run == self.held_run:
                 return self.error(409, f"version={version}: older than the weights held (version {held})")
             try:
                 params = await anyio.to_thread.run_sync(self._place, uri)
@@ -194,6 +198,7 @@ class Api:
                 await asyncio.wrap_future(self.loop.swap(params, version))
             except Exception as e:
                 return self.error(503, e)
+            self.held_run = run
         return self.json({"version": version})
 
     async def completions(self, req):

@@ -36,7 +36,7 @@ RUN_ID = "run_id"  # the run's identity, random, made at its first start: env st
 ENV_ERRORS = "env_errors"  # the full traceback of each env step that raised, one file per step key
 ENV_IDENTITY = "env.json"  # the code of rollout.env and rollout.reward the run's episodes were made with
 PROBE = ".probe-"  # the object a start-up check writes and deletes at once, + <host>-<pid>
-FLEET_WEIGHTS = "fleet_weights"  # engine.backend=remote: the newest weights versions the servers load
+FLEET_WEIGHTS = "fleet_weights"  # engine.backend=remote: the newest weights versions the servers load, the session tag
 VLLM_LORA = ".vllm_lora"  # engine.backend=vllm with LoRA: the adapter folders vLLM loads, emptied at each start
 # the append-only logs of one process, cut back to a checkpoint's sizes on resume (I5)
 LOGS = {

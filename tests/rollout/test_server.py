@@ -249,7 +249,13 @@ def test_a_weights_file_of_another_shape_is_400_naming_the_leaf(srv, ref, tmp_pa
     assert r.status_code == 400 and "none.npz" in r.json()["error"], r.text
     r = srv.http.post("/update_weights", json={"version": 0, "uri": str(ref.file)})
     assert r.status_code == 409, r.text
-    assert srv.http.get("/weight_info").json()["version"] >= 1
+    held = srv.http.get("/weight_info").json()["version"]
+    assert held >= 1
+    # another trainer session (a restarted trainer) starts again from its checkpoint's version
+    r = srv.http.post("/update_weights", json={"version": 0, "uri": str(ref.file), "run": "restarted.1"})
+    assert r.status_code == 200 and srv.http.get("/weight_info").json()["version"] == 0, r.text
+    r = srv.http.post("/update_weights", json={"version": held, "uri": str(ref.file), "run": "restarted.1"})
+    assert r.status_code == 200, r.text
 
 
 def jax_tree_with(tree, key: str, value):
