@@ -30,11 +30,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check async_rl tests bench
 
 # Tests run in TEST_WORKERS processes (pytest-xdist); long ones start first, and a worker that
-# runs out of tests takes queued ones from the other (worksteal). The object-store tests mostly
-# wait (on leases, stall bounds, a paused or killed store): they run in a process of their own
-# beside the workers, on the CPU their waits leave free. All of them share one compilation cache.
+# runs out of tests takes queued ones from the other (worksteal). The object-store and run-directory
+# tests mostly wait (on leases, stall bounds, a paused or killed store, a run slowed to hold its lock
+# while a second is refused): they run in a process of their own beside the workers, on the CPU
+# their waits leave free. All of them share one compilation cache.
 TEST_WORKERS ?= 2
-STORE_TESTS := tests/store/test_objstore.py tests/store/test_objstore_faults.py
+STORE_TESTS := tests/store/test_objstore.py tests/store/test_objstore_faults.py tests/store/test_rundir.py
 test: lint
 	@export ASYNC_RL_TEST_XLA_CACHE=$$(mktemp -d /tmp/async_rl_xla_XXXXXXXX); log=$$(mktemp); \
 	$(BIN)/python -m pytest -q -p no:xdist -m "not soak" $(STORE_TESTS) >$$log 2>&1 & store=$$!; \

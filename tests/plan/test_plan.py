@@ -18,7 +18,7 @@ from async_rl.run import cli
 
 BASE = ["model.vocab_size=64", "model.learned_positions=0", "rollout.prompts_per_step=4",
         "rollout.samples_per_prompt=4", "engine.max_prompt_len=8", "rollout.max_new_tokens=8", "mesh.fsdp=4",
-        "model.n_layers=3"]
+        "model.n_layers=3", "engine.steps_per_call=2"]  # a call of several decode steps, each a copy of the layers
 
 
 def cfg_of(*extra):

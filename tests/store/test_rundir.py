@@ -4,6 +4,7 @@ a directory that has lost every checkpoint. Real training subprocesses (a refusa
 in-process)."""
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 
@@ -15,6 +16,23 @@ from async_rl.state.audit import audit
 from async_rl.state.checkpoint import CheckpointError
 
 BASE = ["data.num_records=48", "rollout.prompts_per_step=4", "checkpoint.every_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def _four_steps(tmp_path_factory, xla_cache):
+    """`train.max_steps=4` of BASE (checkpoints 2 and 4), trained once: the tests that start
+    from it take a copy each."""
+    run = tmp_path_factory.mktemp("four_steps")
+    r = run_cli(run, *BASE, "train.max_steps=4", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return run
+
+
+@pytest.fixture
+def four_steps(_four_steps, tmp_path):
+    """A copy of the 4-step run in this test's tmp_path (returned)."""
+    shutil.copytree(_four_steps, tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def test_second_process_on_a_run_dir_in_use_exits_2_and_touches_nothing(tmp_path, xla_cache):
@@ -120,9 +138,8 @@ def _read_only(path):
         subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
-def test_sigterm_during_start_up_exits_0_and_changes_nothing(tmp_path, xla_cache):
-    r = run_cli(tmp_path, *BASE, "train.max_steps=4", cache=xla_cache)
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_sigterm_during_start_up_exits_0_and_changes_nothing(four_steps, xla_cache):
+    tmp_path = four_steps
     before = tree_digest(tmp_path)
     # the signal lands as soon as the CLI handles it: while it imports, builds and restores
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -140,9 +157,8 @@ def test_sigterm_during_start_up_exits_0_and_changes_nothing(tmp_path, xla_cache
     assert max(x["step"] for x in lineage(tmp_path)) == 4
 
 
-def test_history_without_a_restorable_step_is_refused_until_restart(tmp_path, xla_cache):
-    r = run_cli(tmp_path, *BASE, "train.max_steps=4", cache=xla_cache)
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_history_without_a_restorable_step_is_refused_until_restart(four_steps, xla_cache):
+    tmp_path = four_steps
     for s in checkpoint_steps(tmp_path):  # every step loses its ledger file
         next((tmp_path / "checkpoints" / str(s) / "ledger").glob("*.bin")).unlink()
     r = run_cli(tmp_path, *BASE, "train.max_steps=6", cache=xla_cache)
@@ -175,9 +191,8 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, xla_cach
     assert audit(tmp_path)["ok"]
 
 
-def test_non_finite_training_stops_before_saving(tmp_path, xla_cache):
-    r = run_cli(tmp_path, *BASE, "train.max_steps=4", cache=xla_cache)
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_non_finite_training_stops_before_saving(four_steps, xla_cache):
+    tmp_path = four_steps
     steps = checkpoint_steps(tmp_path)
     # an fp32 learning rate of inf: the first update makes the parameters non-finite
     r = run_cli(tmp_path, *BASE, "learner.lr=1e39", "learner.warmup_steps=0", "checkpoint.every_steps=1",
