@@ -245,7 +245,7 @@ def test_start_names_missing_credentials_or_a_down_endpoint(case, s3_endpoint, m
     if case == "s3-no-credentials":
         for k, v in NO_KEYS.items():
             monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
-        want = "no credentials"
+        want = ("no credentials",)
     else:
         # a port nothing listens on, held (bound, never listening) until the test ends so that no
         # server started beside it can take it: connections to it are refused
@@ -255,7 +255,8 @@ def test_start_names_missing_credentials_or_a_down_endpoint(case, s3_endpoint, m
         closed = f"http://127.0.0.1:{held.getsockname()[1]}"
         for k, v in (GCS_ENV(closed) if scheme == "gs" else {"AWS_ENDPOINT_URL": closed}).items():
             monkeypatch.setenv(k, v)
-        want = "connect"
+        # refused at once, or (a loaded host: the client's own socket timeout fires first) the bound
+        want = ("connect", "no answer within")
     storage._fs.cache_clear()
     try:
         for args in (["audit", url], ["train", *TINY, f"run.dir={url}"]):
@@ -263,7 +264,7 @@ def test_start_names_missing_credentials_or_a_down_endpoint(case, s3_endpoint, m
             t0 = time.monotonic()
             assert cli.main(args) == 2
             err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-            assert len(err) == 1 and err[0].startswith("error: ") and want in err[0].lower(), err
+            assert len(err) == 1 and err[0].startswith("error: ") and any(w in err[0].lower() for w in want), err
             assert "does not exist" not in err[0] and "b1/run" in err[0]
             assert time.monotonic() - t0 < rundir.PROBE_S + 8, args[0]
     finally:
