@@ -35,6 +35,7 @@ class Server:
     active: int = 0  # samples of this run on it now
     last_ok: float = field(default_factory=time.monotonic)  # last answer of any kind
     why: str = ""  # why it is down or refused (said once)
+    pushing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weights load at a time
 
 
 def parse_urls(text: str, source: str) -> list[str]:
@@ -154,8 +155,7 @@ class Fleet:
                     self.log(f"fleet: server {s.url}: aborted {n} requests of the previous trainer session")
             s.capacity = int(info["capacity"])
             s.version = None  # what it holds may be another session's: it loads this one's
-            if self.current is not None:
-                await self.push(s, *self.current)
+            await self.catch_up(s)
             if s.state == "joining":
                 was = s.why
                 s.state, s.last_ok, s.why = "ready", time.monotonic(), ""
@@ -168,6 +168,13 @@ class Fleet:
             elif s.state == "joining":
                 self.down(s, f"{type(e).__name__}: {e}".strip().split("\n")[0][:200])
 
+    async def catch_up(self, s: Server) -> None:
+        """Has one server load the newest version, one push at a time per server (a version
+        published meanwhile is pushed next): versions reach a server in order."""
+        async with s.pushing:
+            while self.current is not None and s.version != self.current[0]:
+                await self.push(s, *self.current)
+
     async def push(self, s: Server, version: int, uri: str) -> None:
         """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited)."""
         r = await self.client.post(f"{s.url}/update_weights", json={"version": version, "uri": uri, "run": self.run_tag},
@@ -177,21 +184,21 @@ class Fleet:
         got = r.json().get("version")
         if got != version:
             raise RuntimeError(f"/update_weights answered version {got}, asked {version}")
-        if self.current is None or version >= (s.version or -1):
-            s.version = version
+        s.version = version
         s.last_ok = time.monotonic()
         self.on_change()
 
-    async def push_all(self, version: int, uri: str) -> None:
+    async def push_all(self) -> None:
+        """Every ready server loads the newest version."""
         async def one(s):
             try:
-                await self.push(s, version, uri)
+                await self.catch_up(s)
             except Exception as e:  # noqa: BLE001
-                self.down(s, f"loading weights version {version} failed: {e}")
-        await asyncio.gather(*(one(s) for s in self.servers.values() if s.state == "ready"))
+                self.down(s, f"loading weights version {self.current[0]} failed: {e}")
+        await asyncio.gather(*(one(s) for s in list(self.servers.values()) if s.state == "ready"))
 
     def publish(self, params, version: int) -> str:
-        """Writes `version` for the fleet (pump thread) and keeps the newest few files."""
+        """Writes `version` for the fleet and keeps the newest few files (off the pump's lock)."""
         storage.mkdirs(self.dir)
         uri = storage.url(self.dir / f"v{version:010d}.npz")
         weights.save(uri, params, version)

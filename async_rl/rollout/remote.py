@@ -72,6 +72,8 @@ class RemoteRollout:
         self._thread = threading.Thread(target=self._loop.run_forever, name="fleet", daemon=True)
         self._thread.start()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0))
+        self._writing = asyncio.Lock()  # one version written at a time, in order
+        self._failed: BaseException | None = None  # publishing a version failed (the run stops)
         self.fleet = Fleet(cfg, fingerprint, run_dir, self._client, log, self._changed, run_tag=run_tag)
         self.fleet.publish(params, version)
         self._ticker = asyncio.run_coroutine_threadsafe(self._tick(), self._loop)
@@ -79,10 +81,23 @@ class RemoteRollout:
     # ---- the Rollout protocol (pump thread) ----------------------------------------------------
 
     def swap(self, params, version: int) -> None:
-        uri = self.fleet.publish(params, version)  # written before any server is asked to load it
+        """New samples wait for servers holding `version`: it is written and pushed off the
+        pump's thread (the pump holds the ledger lock here), in version order."""
         with self._cv:
             self.version = version
-        asyncio.run_coroutine_threadsafe(self.fleet.push_all(version, uri), self._loop)
+        asyncio.run_coroutine_threadsafe(self._publish(params, version), self._loop)
+
+    async def _publish(self, params, version: int) -> None:
+        try:
+            async with self._writing:
+                if self.fleet.current is not None and version <= self.fleet.current[0]:
+                    return
+                await asyncio.to_thread(self.fleet.publish, params, version)
+            await self.fleet.push_all()
+        except Exception as e:  # noqa: BLE001 - raised on the pump's thread at its next collect
+            self._failed = self._failed or e
+            with self._cv:
+                self._cv.notify_all()
 
     def start(self, starts: Sequence[Start]) -> None:
         with self._cv:
@@ -100,8 +115,11 @@ class RemoteRollout:
         """What arrived since the last collect, waiting up to a moment for something."""
         end = time.monotonic() + max(1.0, PROBE_EVERY_S)
         with self._cv:
-            while not any(s.toks or s.lost for s in self._streams.values()) and time.monotonic() < end:
+            while not any(s.toks or s.lost for s in self._streams.values()) and time.monotonic() < end \
+                    and self._failed is None:
                 self._cv.wait(end - time.monotonic())
+            if self._failed is not None:
+                raise self._failed
             if self._queue and not self.fleet.ready(self.version):
                 self.fleet.say_waiting()
             n = max([len(s.toks) for s in self._streams.values()] + [1])
