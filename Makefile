@@ -48,10 +48,11 @@ test: lint
 # The optional extras `make test` also tests where they are installed (CI installs them): run.dir on
 # gs:// and s3:// (the clients, extras gcs and s3, and the servers the tests start on loopback:
 # fake-gcs-server, moto), Weights & Biases (offline), MCP tools (fastmcp; the tests start its servers) and
-# the fleet's generation server (starlette, uvicorn, httpx; the tests start `async-rl serve`).
+# the fleet's generation server (starlette, uvicorn, httpx; the tests start `async-rl serve`) and the
+# Kubernetes schemas the launch/k8s manifests are validated against (kubernetes-validate).
 OBJ_STAMP := $(VENV)/.installed-test-extras
 $(OBJ_STAMP): $(STAMP)
-	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test,wandb,tools,fleet]"
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,objstore-test,wandb,tools,fleet,k8s]"
 	@touch $(OBJ_STAMP)
 
 test-extras: $(OBJ_STAMP)
