@@ -142,3 +142,17 @@ def test_a_run_on_two_servers_pulling_each_version_from_the_trainer(tmp_path, xl
     said = [line for line in r.stderr.splitlines() if line.startswith("fleet:")]
     assert any("joined" in line and a.url in line for line in said), said
     assert not any("is down" in line for line in said), said
+
+
+def test_update_weights_names_what_is_wrong_with_a_transfer_body():
+    from async_rl.rollout.server import Api, BadRequest
+    src = Api.source({"version": 1, "transfer": {"address": "10.0.0.1:5", "uuid": 7, "leaves": []}})
+    assert src == {"address": "10.0.0.1:5", "uuid": 7, "leaves": [], "timeout_s": transfer.PULL_S}
+    assert Api.source({"version": 1, "uri": "/w.npz"}) == "/w.npz"
+    for body, said in [({}, "missing uri (a weights file) or transfer"), ({"transfer": []}, "transfer: not an object"),
+                       ({"transfer": {"uuid": 7}}, "missing transfer.address"),
+                       ({"transfer": {"address": "a:1", "uuid": "7"}}, "transfer.uuid='7': not an integer"),
+                       ({"transfer": {"address": "a:1", "uuid": 7}}, "transfer.leaves: missing"),
+                       ({"transfer": {"address": "a:1", "uuid": 7, "leaves": [], "timeout_s": 0}}, "transfer.timeout_s=0")]:
+        with pytest.raises(BadRequest, match=said.replace("(", r"\(").replace(")", r"\)")):
+            Api.source(body)
