@@ -215,6 +215,7 @@ class EngineConfig:
     servers_file: str = ""  # remote: a file of server URLs, one per line, re-read every few seconds
     servers_dns: str = ""  # remote: host:port; every address the host resolves to is a server
     health_timeout_s: float = 60.0  # remote: a server silent this long loses its samples, seconds
+    weights_transport: str = "file"  # remote: file (a file per version under run.dir) | jax (servers pull arrays from the trainer)
     gpu_memory_utilization: float = 0.45  # vllm on GPU: fraction of GPU memory vLLM takes (JAX gets the rest)
     vllm_cpu_kv_cache_gib: int = 1  # vllm on CPU: KV-cache space, GiB
     vllm_enforce_eager: bool = False  # vllm: no torch.compile/graph capture (faster start, slower steps)
@@ -231,12 +232,12 @@ class EngineConfig:
         _check(self.prefill_rows >= 1, "engine.prefill_rows", self.prefill_rows, "must be >= 1")
         _one_of("engine.backend", self.backend, ("builtin", "vllm", "remote"))
         _check(self.health_timeout_s > 0, "engine.health_timeout_s", self.health_timeout_s, "must be > 0")
+        _one_of("engine.weights_transport", self.weights_transport, ("file", "jax"))
         _check(self.backend != "remote" or bool(self.servers or self.servers_file or self.servers_dns), "engine.backend",
                self.backend, "remote needs engine.servers, engine.servers_file or engine.servers_dns")
         _check(0 < self.gpu_memory_utilization < 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
                "must be in (0, 1)")
-        _check(self.vllm_cpu_kv_cache_gib >= 1, "engine.vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib,
-               "must be >= 1")
+        _check(self.vllm_cpu_kv_cache_gib >= 1, "engine.vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib, "must be >= 1")
 
 @dataclass(frozen=True)
 class RolloutConfig:

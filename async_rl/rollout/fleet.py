@@ -4,11 +4,13 @@ Owns: membership (`engine.servers`, `engine.servers_file` re-read every few seco
 `engine.servers_dns` resolved to every address behind a name), joining a server (its
 `/v1/fleet/info` fingerprint against the run's: one line naming the field when they differ,
 and the server is refused), giving it the weights version the run is on before it gets work
-(`/update_weights` with the file `publish` wrote under run.dir), health (a server that fails
-a probe or a stream is down; one silent past `engine.health_timeout_s` is down; a down server
-is asked again and rejoins), and the version files' lifetime. Every call is bounded.
+(`/update_weights`: with `engine.weights_transport=file` the file `publish` wrote under
+run.dir, with `jax` a registration of the version `publish` kept, one per server and version,
+that the server pulls from this process), health (a server that fails a probe or a stream is
+down; one silent past `engine.health_timeout_s` is down; a down server is asked again and
+rejoins), and the version files' lifetime. Every call is bounded.
 Does not own: the samples on a server or their streams (`remote`), the weights file format
-(`weights`), which sample goes where (`allocator`).
+(`weights`), moving arrays point to point (`transfer`), which sample goes where (`allocator`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from async_rl.rollout import weights
+from async_rl.config import ConfigError
+from async_rl.rollout import transfer, weights
 from async_rl.store import runfiles, storage
 
 PROBE_EVERY_S = 2.0  # membership re-read and health probes
@@ -60,6 +63,12 @@ class Fleet:
         self.timeout_s = e.health_timeout_s
         self.fingerprint, self.client, self.log, self.on_change = fingerprint, client, log, on_change
         self.dir = storage.run_path(run_dir) / runfiles.FLEET_WEIGHTS
+        self.transport = e.weights_transport
+        if self.transport == "jax" and (why := transfer.unavailable()) is not None:
+            raise ConfigError(f"engine.weights_transport=jax: {why}")
+        self.offer: transfer.Offer | None = None  # jax: the newest version, kept on this process
+        self.owner: transfer.Owner | None = None  # jax: this run's transfer server (started at the first push)
+        self._owner_lock = asyncio.Lock()
         self.servers: dict[str, Server] = {}
         # the previous trainer session's tag: its requests still on a server are aborted at join
         self.run_tag = run_tag
@@ -177,8 +186,14 @@ class Fleet:
 
     async def push(self, s: Server, version: int, uri: str) -> None:
         """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited)."""
-        r = await self.client.post(f"{s.url}/update_weights", json={"version": version, "uri": uri, "run": self.run_tag},
-                                   timeout=max(60.0, self.timeout_s))
+        bound = max(60.0, self.timeout_s)
+        if self.transport == "jax":
+            offer = self.offer  # the newest version's leaves: an older one is gone already
+            version = offer.version
+            body = {"version": version, "transfer": await self.register(s, offer, bound), "run": self.run_tag}
+        else:
+            body = {"version": version, "uri": uri, "run": self.run_tag}
+        r = await self.client.post(f"{s.url}/update_weights", json=body, timeout=bound)
         if r.status_code != 200:
             raise RuntimeError(f"/update_weights answered {r.status_code}: {r.text[:200]}")
         got = r.json().get("version")
@@ -197,8 +212,25 @@ class Fleet:
                 self.down(s, f"loading weights version {self.current[0]} failed: {e}")
         await asyncio.gather(*(one(s) for s in list(self.servers.values()) if s.state == "ready"))
 
+    async def register(self, s: Server, offer: transfer.Offer, bound: float) -> dict:
+        """`/update_weights`' transfer for one server: `offer` registered for one pull, kept for
+        `bound` seconds (what the server is given to pull it in) and a margin, then dropped."""
+        async with self._owner_lock:
+            if self.owner is None:
+                from urllib.parse import urlsplit
+                host = transfer.local_host(urlsplit(s.url).hostname or "127.0.0.1")
+                self.owner = await asyncio.to_thread(transfer.Owner, host)
+        uuid = await asyncio.to_thread(self.owner.offer, offer, bound + 30.0)
+        return {"address": self.owner.address, "uuid": uuid, "leaves": offer.leaves, "timeout_s": bound}
+
     def publish(self, params, version: int) -> str:
-        """Writes `version` for the fleet and keeps the newest few files (off the pump's lock)."""
+        """Makes `version` the fleet's (off the pump's lock): writes its file and keeps the newest
+        few (file), or keeps its leaves here for the servers to pull (jax: no file; "" returned)."""
+        if self.transport == "jax":
+            self.offer = transfer.Offer(params, version)  # the previous one goes with its last registration
+            self.current = (version, "")
+            self.given.add(version)
+            return ""
         storage.mkdirs(self.dir)
         uri = storage.url(self.dir / f"v{version:010d}.npz")
         weights.save(uri, params, version)

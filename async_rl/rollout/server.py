@@ -3,13 +3,13 @@ a fleet of them (docs/fleet.md).
 
 Owns: the HTTP API (a Starlette app under uvicorn, the `fleet` extra, imported only here
 and only when serving): health and info (the fingerprint a trainer compares), weights
-updates (a `weights` file, loaded off the event loop, checked against the engine's tree,
-swapped in between chunks), pause/resume, aborts, and `/v1/completions` streamed as
+updates (a `weights` file, or arrays pulled from the trainer with `transfer`, fetched off the
+event loop, checked against the engine's tree, swapped in between chunks), pause/resume, aborts, and `/v1/completions` streamed as
 server-sent events, one event per engine chunk; checking each request (one-line 400s);
 listening, the `serving on` line, and stopping on SIGTERM/SIGINT (streams end with
 finish_reason "abort") or when the engine loop fails (exit 1). Does not own: the engine
 loop (`server_loop`), building the engine from the config (`run.build.serving_parts`),
-the weights file format (`weights`).
+the weights file format (`weights`), point-to-point transfers (`transfer`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 
 from async_rl import faults, signals
-from async_rl.rollout import weights
+from async_rl.rollout import transfer, weights
 from async_rl.rollout.server_loop import Request, ServerLoop
 from async_rl.store.remote_io import StorageError
 
@@ -125,7 +125,7 @@ class Api:
         self.loop, self.engine, self.like, self.fp = loop, engine, like, fp
         self.max_new_tokens = max_new_tokens
         self.json = JSONResponse
-        self.loading = asyncio.Lock()  # one weights file loaded at a time
+        self.loading = asyncio.Lock()  # one weights version loaded at a time
         self.held_run: str | None = None  # the session tag the weights held came with
         self.events = 0  # completion events sent (fault tests garble the n-th, `faults.garbled`)
 
@@ -168,9 +168,33 @@ class Api:
                 "capacity": self.engine.max_concurrent_decodes, "steps_per_call": self.engine.steps_per_call,
                 "paused": self.loop.paused}
 
-    def _place(self, uri: str):
+    def _place(self, src):
         faults.delay("weights")  # a fault test's slow fetch (ASYNC_RL_DELAY=weights:<s>): a kill lands inside it
-        return self.engine.load_params(weights.load(uri, self.like))
+        if isinstance(src, str):
+            return self.engine.load_params(weights.load(src, self.like))
+        address = src["address"]
+        transfer.check(src["leaves"], self.like, f"weights from {address}")
+        tree = transfer.pull(address, src["uuid"], self.like, device=self.engine.mesh.devices.flat[0],
+                             seconds=src["timeout_s"])
+        return self.engine.load_params(tree)
+
+    @staticmethod
+    def source(body: dict):
+        """A weights file's uri, or the transfer to pull (address, uuid, leaves, timeout_s)."""
+        if "transfer" not in body:
+            if "uri" not in body:
+                raise BadRequest("missing uri (a weights file) or transfer (an address and uuid to pull from)")
+            return _str(body, "uri")
+        t = body["transfer"]
+        if not isinstance(t, dict):
+            raise BadRequest("transfer: not an object (address, uuid, leaves)")
+        src = {"address": _str(t, "address", "transfer."), "uuid": _int(t, "uuid", "transfer."),
+               "leaves": t.get("leaves"), "timeout_s": t.get("timeout_s", transfer.PULL_S)}
+        if not isinstance(src["leaves"], list):
+            raise BadRequest("transfer.leaves: missing or not a list of [name, dtype, shape]")
+        if isinstance(src["timeout_s"], bool) or not isinstance(src["timeout_s"], (int, float)) or src["timeout_s"] <= 0:
+            raise BadRequest(f"transfer.timeout_s={src['timeout_s']!r}: not a number of seconds > 0")
+        return src
 
     async def update_weights(self, req):
         import anyio.to_thread
@@ -178,7 +202,7 @@ class Api:
         from async_rl.config import ConfigError
         try:
             body = await self.body_of(req)
-            version, uri = _int(body, "version"), _str(body, "uri")
+            version, src = _int(body, "version"), self.source(body)
             run = _str(body, "run") if "run" in body else None  # a trainer session's tag
         except BadRequest as e:
             return self.error(400, e)
@@ -189,11 +213,13 @@ class Api:
             if held is not None and version < held and run == self.held_run:
                 return self.error(409, f"version={version}: older than the weights held (version {held})")
             try:
-                params = await anyio.to_thread.run_sync(self._place, uri)
+                params = await anyio.to_thread.run_sync(self._place, src)
             except StorageError as e:
                 return self.error(503, f"{e}; {e.hint}")
+            except transfer.TransferError as e:
+                return self.error(503, e)
             except (ValueError, OSError, ConfigError) as e:
-                return self.error(400, e if isinstance(e, ValueError) else f"{uri}: {one_line(e)}")
+                return self.error(400, e if isinstance(e, ValueError) else f"{src}: {one_line(e)}")
             try:
                 await asyncio.wrap_future(self.loop.swap(params, version))
             except Exception as e:
