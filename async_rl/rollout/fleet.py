@@ -16,6 +16,7 @@ Does not own: the samples on a server or their streams (`remote`), the weights f
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from async_rl.rollout import transfer, weights
 from async_rl.store import runfiles, storage
 
 PROBE_EVERY_S = 2.0  # membership re-read and health probes
+BASE = "base.npz"  # LoRA: the frozen base, written once per session
+VERSION_FILE = re.compile(r"v\d+\.npz")
 SESSION = "session"  # the request tag of the trainer session that drives the fleet now
 KEEP_VERSIONS = 3  # version files kept (a joining server may still be loading an older one)
 
@@ -73,6 +76,7 @@ class Fleet:
         # the previous trainer session's tag: its requests still on a server are aborted at join
         self.run_tag = run_tag
         self.fence = self._take_session(run_tag) if run_tag else None
+        self.base_uri: str | None = None  # LoRA: the frozen base's file (version files hold adapters)
         self.current: tuple[int, str] | None = None  # (version, uri) every server should hold
         self.given: set[int] = set()  # versions published to the fleet (a server reporting another is garbage)
         self._file_said = ""
@@ -193,6 +197,8 @@ class Fleet:
             body = {"version": version, "transfer": await self.register(s, offer, bound), "run": self.run_tag}
         else:
             body = {"version": version, "uri": uri, "run": self.run_tag}
+            if self.base_uri is not None:
+                body["base"] = self.base_uri
         r = await self.client.post(f"{s.url}/update_weights", json=body, timeout=bound)
         if r.status_code != 200:
             raise RuntimeError(f"/update_weights answered {r.status_code}: {r.text[:200]}")
@@ -233,10 +239,17 @@ class Fleet:
             return ""
         storage.mkdirs(self.dir)
         uri = storage.url(self.dir / f"v{version:010d}.npz")
-        weights.save(uri, params, version)
+        only = None
+        if self.base_uri is not None or any(map(weights.is_adapter, weights.keys(params))):
+            only = weights.is_adapter  # LoRA: the frozen base once per session, then adapters alone
+            if self.base_uri is None:
+                base = storage.url(self.dir / BASE)
+                weights.save(base, params, version, only=lambda k: not weights.is_adapter(k))
+                self.base_uri = base
+        weights.save(uri, params, version, only=only)
         self.current = (version, uri)
         self.given.add(version)
-        for name in sorted(n for n in storage.listdir(self.dir) if n.endswith(".npz"))[:-KEEP_VERSIONS]:
+        for name in sorted(n for n in storage.listdir(self.dir) if VERSION_FILE.fullmatch(n))[:-KEEP_VERSIONS]:
             storage.remove(self.dir / name)
         return uri
 

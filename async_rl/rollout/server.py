@@ -126,6 +126,7 @@ class Api:
         self.max_new_tokens = max_new_tokens
         self.json = JSONResponse
         self.loading = asyncio.Lock()  # one weights version loaded at a time
+        self._base: tuple[str | None, dict] = (None, {})  # LoRA: the base file read last, and its leaves
         self.held_run: str | None = None  # the session tag the weights held came with
         self.events = 0  # completion events sent (fault tests garble the n-th, `faults.garbled`)
 
@@ -168,10 +169,12 @@ class Api:
                 "capacity": self.engine.max_concurrent_decodes, "steps_per_call": self.engine.steps_per_call,
                 "paused": self.loop.paused}
 
-    def _place(self, src):
+    def _place(self, src, base: str | None = None):
         faults.delay("weights")  # a fault test's slow fetch (ASYNC_RL_DELAY=weights:<s>): a kill lands inside it
         if isinstance(src, str):
-            return self.engine.load_params(weights.load(src, self.like))
+            if base is not None and self._base[0] != base:  # read once per trainer session
+                self._base = (base, weights.load_leaves(base))
+            return self.engine.load_params(weights.load(src, self.like, base=self._base[1] if base else None))
         address = src["address"]
         transfer.check(src["leaves"], self.like, f"weights from {address}")
         tree = transfer.pull(address, src["uuid"], self.like, device=self.engine.mesh.devices.flat[0],
@@ -203,6 +206,7 @@ class Api:
         try:
             body = await self.body_of(req)
             version, src = _int(body, "version"), self.source(body)
+            base = _str(body, "base") if "base" in body else None  # LoRA: the base file; src holds adapters
             run = _str(body, "run") if "run" in body else None  # a trainer session's tag
         except BadRequest as e:
             return self.error(400, e)
@@ -213,7 +217,7 @@ class Api:
             if held is not None and version < held and run == self.held_run:
                 return self.error(409, f"version={version}: older than the weights held (version {held})")
             try:
-                params = await anyio.to_thread.run_sync(self._place, src)
+                params = await anyio.to_thread.run_sync(self._place, src, base)
             except StorageError as e:
                 return self.error(503, f"{e}; {e.hint}")
             except transfer.TransferError as e:

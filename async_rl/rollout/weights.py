@@ -39,11 +39,25 @@ def _storable(x: np.ndarray) -> np.ndarray:
     return x if x.dtype.kind in "biufc" else x.view(f"u{x.dtype.itemsize}")
 
 
-def save(uri, params, version: int) -> None:
+def keys(tree) -> list[str]:
+    """The leaf names of a tree, as a weights file names them."""
+    return [k for k, _ in _flat(tree)]
+
+
+def is_adapter(key: str) -> bool:
+    """A LoRA adapter's leaf (`layers/attn/q/lora_a/value`): what changes from version to version
+    when only adapters train; every other leaf is the frozen base."""
+    return "/lora_a/" in key or "/lora_b/" in key
+
+
+def save(uri, params, version: int, only=None) -> None:
     """Writes `params` (an engine-layout tree) and `version` to `uri` at once: a reader sees the
-    previous file or this one, never part of it."""
+    previous file or this one, never part of it. `only(key)`: the leaves to write (a LoRA run
+    writes its base once and its adapters per version)."""
     entries, dtypes = {}, {}
     for key, x in _flat(params):
+        if only is not None and not only(key):
+            continue
         a = np.asarray(x)
         entries[key], dtypes[key] = _storable(a), a.dtype.name
     entries[VERSION_KEY] = np.asarray(int(version), np.int64)
@@ -60,31 +74,41 @@ def _open(uri, data: bytes):
         raise ValueError(f"{uri}: not a weights file ({' '.join(str(e).split())[:200]})") from None
 
 
-def load(uri, like):
+def load(uri, like, base: dict | None = None):
     """The tree saved at `uri`, shaped as `like` (the engine's tree, arrays or
-    `jax.ShapeDtypeStruct`s) with NumPy leaves. ValueError (one line) naming the first leaf
-    that is missing, extra, or of another shape or dtype."""
+    `jax.ShapeDtypeStruct`s) with NumPy leaves; leaves the file lacks come from `base` (key ->
+    array: `load_leaves` of a base file) where given. ValueError (one line) naming the first
+    leaf that is missing, extra, or of another shape or dtype."""
     expected = _flat(like)
+    have = load_leaves(uri)
+    extra = sorted(set(have) - {k for k, _ in expected})
+    if extra:
+        raise ValueError(f"{uri}: leaf {extra[0]} in the file is not in the engine's tree")
+    leaves = []
+    for key, want in expected:
+        a = have.get(key, (base or {}).get(key))
+        if a is None:
+            raise ValueError(f"{uri}: leaf {key} missing from the file")
+        if a.shape != tuple(want.shape) or a.dtype != np.dtype(want.dtype):
+            raise ValueError(f"{uri}: leaf {key} is {a.dtype.name}{list(a.shape)} in the file, the engine's is "
+                             f"{np.dtype(want.dtype).name}{list(want.shape)}")
+        leaves.append(a)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+
+
+def load_leaves(uri) -> dict:
+    """Every leaf of a weights file by key, in its saved dtype (NumPy)."""
+    out = {}
     with _open(uri, storage.read_bytes(uri)) as f:
         names = set(f.files)
         if DTYPES_KEY not in names:
             raise ValueError(f"{uri}: not a weights file (no {DTYPES_KEY} entry)")
         dtypes = json.loads(str(f[DTYPES_KEY]))
-        extra = sorted(names - {k for k, _ in expected} - {VERSION_KEY, DTYPES_KEY})
-        leaves = []
-        for key, want in expected:
-            if key not in names:
-                raise ValueError(f"{uri}: leaf {key} missing from the file")
+        for key in sorted(names - {VERSION_KEY, DTYPES_KEY}):
             raw = f[key]
             dtype = np.dtype(jax.numpy.dtype(dtypes.get(key, raw.dtype.name)))
-            a = raw if raw.dtype == dtype else raw.view(dtype)
-            if a.shape != tuple(want.shape) or a.dtype != np.dtype(want.dtype):
-                raise ValueError(f"{uri}: leaf {key} is {a.dtype.name}{list(a.shape)} in the file, the engine's is "
-                                 f"{np.dtype(want.dtype).name}{list(want.shape)}")
-            leaves.append(a)
-        if extra:
-            raise ValueError(f"{uri}: leaf {extra[0]} in the file is not in the engine's tree")
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+            out[key] = raw if raw.dtype == dtype else raw.view(dtype)
+    return out
 
 
 def engine_like(engine, abstract):

@@ -56,6 +56,23 @@ def test_a_file_that_differs_from_the_engine_tree_names_the_first_leaf(tmp_path)
         weights.load(tmp_path / "junk.npz", params)
 
 
+def test_a_base_written_once_and_files_of_some_leaves_load_as_the_whole_tree(tmp_path):
+    """LoRA's publication: the frozen leaves once, each version's changing leaves alone."""
+    params = nnx.state(Small(), nnx.Param)
+    changing = lambda key: key.startswith("b/")  # noqa: E731
+    weights.save(tmp_path / "base.npz", params, 0, only=lambda k: not changing(k))
+    weights.save(tmp_path / "v1.npz", params, 1, only=changing)
+    with np.load(tmp_path / "v1.npz") as f:
+        assert sorted(k for k in f.files if not k.startswith("__")) == ["b/bias/value", "b/kernel/value"]
+    like = jax.eval_shape(lambda: params)
+    back = weights.load(tmp_path / "v1.npz", like, base=weights.load_leaves(tmp_path / "base.npz"))
+    for got, want in zip(_leaves(back), _leaves(params), strict=True):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match="leaf a/bias/value missing from the file"):
+        weights.load(tmp_path / "v1.npz", like)  # without its base
+    assert weights.is_adapter("layers/attn/q/lora_a/value") and not weights.is_adapter("layers/attn/q/kernel/value")
+
+
 def test_the_fingerprint_is_flat_and_a_mismatch_names_the_first_field():
     cfg = C.load("configs/tiny.yaml", [])
     tok = CharTokenizer()
