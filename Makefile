@@ -110,12 +110,19 @@ soak-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -s -p no:xdist -m soak tests/rollout/test_vllm_crash.py \
 		tests/env/test_episodes.py::test_multi_turn_run_on_vllm_killed_at_random_moments_trains_every_prompt_once
 
-bench: $(STAMP)
+# bench/fleet.py starts `async-rl serve` processes: the fleet extra
+FLEET_STAMP := $(VENV)/.installed-fleet
+$(FLEET_STAMP): $(STAMP)
+	$(PIP_TURN) $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,fleet]"
+	@touch $(FLEET_STAMP)
+
+bench: $(FLEET_STAMP)
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/learner.py
 	$(BIN)/python bench/async.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/load.py
+	$(BIN)/python bench/fleet.py
 
 # Every benchmark on this host's accelerator in one command (< 8 min, < 12 with vllm; prints the chip). With
 # no .venv it uses the host's own python3 and JAX (e.g. a GPU image's jax 0.11 + CUDA

@@ -75,3 +75,19 @@ def test_the_lora_bench_prints_both_rows_and_the_ratio():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| full " in r.stdout and "| lora r=4 " in r.stdout and "LoRA / full = " in r.stdout, r.stdout
+
+
+@pytest.mark.soak  # four training runs and six servers: 1.5-2.5 minutes on 2 shared cores
+def test_the_fleet_bench_prints_every_table():
+    """bench/fleet.py --quick: in-process vs a fleet of 1 and 2 `async-rl serve` servers, the
+    publication figures, and a server SIGKILLed mid-run with its lost tokens counted."""
+    for mod in ("httpx", "starlette", "uvicorn"):
+        pytest.importorskip(mod)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "bench/fleet.py", "--quick"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert "FAILED" not in r.stdout, r.stdout[-3000:]
+    for line in ("| in-process (baseline) | builtin |", "| fleet of 1 ", "| fleet of 2 ", "| tiny model ",
+                 "| synthetic ", "tiny: fleet of 2 = ", "server kill: ", "tokens lost (bound "):
+        assert line in r.stdout, r.stdout[-3000:]
