@@ -377,7 +377,8 @@ def serve(cfg, tok, engine, abstract, *, host: str, port: int, log=_stderr) -> i
             server.should_exit = True
         threading.Thread(target=_exit_soon, name="server-exit", daemon=True).start()
 
-    loop = ServerLoop(engine, getattr(tok, "stop_ids", (tok.eos_id,)), log=log, on_failure=on_failure)
+    loop = ServerLoop(engine, getattr(tok, "stop_ids", (tok.eos_id,)), log=log, on_failure=on_failure,
+                      deterministic=cfg.run.determinism, prefill_rows=cfg.engine.prefill_rows)
     app = Api(loop, engine, weights.engine_like(engine, abstract), weights.fingerprint(cfg, tok),
               max_new_tokens=cfg.rollout.max_new_tokens).app()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)

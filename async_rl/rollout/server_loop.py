@@ -3,8 +3,8 @@
 Owns: `Request` (one completion request: its prompt, the tokens it continues, sampling key,
 budget, and how its chunks reach its stream), and `ServerLoop`, the thread that runs the
 slot scheduler over `BuiltinRollout` with itself as the scheduler's source: queued requests
-go into free slots (one prefill per sequence, as in deterministic runs, so a sample's tokens
-never depend on what else is generating), each recorded chunk goes to its request's stream,
+go into free slots (with `run.determinism` one prefill per sequence, so a sample's tokens
+never depend on what else is generating; otherwise batched prefills, as a run's), each recorded chunk goes to its request's stream,
 published weights are swapped in between chunks, paused means no chunk is dispatched,
 aborted requests give up their slots. A failure of the thread ends every stream and is
 reported once (`on_failure`). Does not own: HTTP, validation or the event format (`server`),
@@ -54,11 +54,14 @@ class ServerLoop:
     """The scheduler's source and the thread that runs it; public methods are called from the
     HTTP side (any thread), the `Source` methods from the loop thread."""
 
-    def __init__(self, engine, stops, *, log, on_failure: Callable[[str], None] = lambda line: None):
+    def __init__(self, engine, stops, *, log, on_failure: Callable[[str], None] = lambda line: None,
+                 deterministic: bool = True, prefill_rows: int = 32):
+        """`deterministic` (the served run's `run.determinism`): one prefill per sequence, so a
+        sample's tokens never depend on what else is prefilled with it; otherwise batched."""
         self.stops = frozenset(int(t) for t in stops)
         self.log, self.on_failure = log, on_failure
         self.cond = threading.Condition()
-        self.rollout = BuiltinRollout(engine, None, 0, deterministic=True)
+        self.rollout = BuiltinRollout(engine, None, 0, deterministic=deterministic, prefill_rows=prefill_rows)
         self.scheduler = Scheduler(self.rollout, self, self.stops, lock=self.cond)
         self.version: int | None = None  # weights held (None until a trainer publishes some)
         self.paused = False

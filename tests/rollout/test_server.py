@@ -27,7 +27,9 @@ from async_rl.run.build import serving_parts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # 4 slots of 2-token chunks, 8 tokens a sample; each chunk slowed a little so a test can act mid-sample
-OVERRIDES = ["engine.max_concurrent_decodes=4", "engine.steps_per_call=2"]
+# run.determinism: the server prefills each sequence alone and reads every cache column, so its
+# samples are the in-process scheduler's bit for bit
+OVERRIDES = ["engine.max_concurrent_decodes=4", "engine.steps_per_call=2", "run.determinism=true"]
 DELAY = "generate:0.02"
 START_S, STOP_S = 240, 60
 
