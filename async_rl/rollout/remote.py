@@ -71,7 +71,11 @@ class RemoteRollout:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fleet", daemon=True)
         self._thread.start()
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0))
+        # one connection per slot kept open between samples (httpx keeps 20 by default: the rest
+        # would connect again for every sample), never a wait for a free one
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+                                         limits=httpx.Limits(max_connections=None,
+                                                             max_keepalive_connections=self.capacity + 16))
         self._writing = asyncio.Lock()  # one version written at a time, in order
         self._failed: BaseException | None = None  # publishing a version failed (the run stops)
         self.fleet = Fleet(cfg, fingerprint, run_dir, self._client, log, self._changed, run_tag=run_tag)
