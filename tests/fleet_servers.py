@@ -1,4 +1,5 @@
 """Test helpers for fleets: `async-rl serve` processes on loopback and the servers file."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,3 +66,16 @@ def stop_all() -> None:
         if s.proc.poll() is None:
             s.proc.send_signal(signal.SIGKILL)
             s.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def shared_server(*overrides: str, **kw):
+    """A ready server for several tests in turn (a module fixture: each start costs seconds of
+    CPU): not among those `stop_all` kills, SIGKILLed when the block ends. Each trainer that
+    joins it loads its own session's weights (docs/fleet.md)."""
+    s = Server(*overrides, **kw)
+    STARTED.remove(s)
+    try:
+        yield s.ready()
+    finally:
+        s.kill()

@@ -34,10 +34,24 @@ def prompts():
     return [rs.randint(4, V, rs.randint(1, P + 1)).astype(np.int32) for _ in range(7)]
 
 
-def make_engine(graphdef, *, slots=4, temperature=0.0, top_k=0, top_p=1.0, devices="one"):
+def make_engine(graphdef, *, slots=4, temperature=0.0, top_k=0, top_p=1.0, devices="one", **kw):
     devices = jax.devices()[:1] if devices == "one" else devices
     return Engine(CFG, graphdef, vocab_size=V, slots=slots, max_prompt_len=P, max_new_tokens=N,
-                  temperature=temperature, top_k=top_k, top_p=top_p, seed=7, devices=devices)
+                  temperature=temperature, top_k=top_k, top_p=top_p, seed=7, devices=devices, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """`make_engine(graphdef, **kw)`, built once per module for each setting: for the tests that
+    only generate with an engine (each builds its own where it swaps weights or counts compilations)."""
+    made, defaults = {}, dict(slots=4, temperature=0.0, top_k=0, top_p=1.0, devices="one")
+
+    def get(**kw):
+        key = tuple(sorted({**defaults, **kw}.items()))
+        if key not in made:
+            made[key] = make_engine(model[0], **kw)
+        return made[key]
+    return get
 
 
 def scorer(graphdef):
@@ -86,9 +100,9 @@ def test_inserting_any_number_of_rows_of_one_prefix_shape_is_one_program(model, 
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0.0, 0, 1.0)])
-def test_logprobs_match_full_model(model, prompts, temperature, top_k, top_p):
+def test_logprobs_match_full_model(model, prompts, engine, temperature, top_k, top_p):
     graphdef, params = model
-    eng = make_engine(graphdef, temperature=temperature, top_k=top_k, top_p=top_p)
+    eng = engine(temperature=temperature, top_k=top_k, top_p=top_p)
     out = generate_all(eng, eng.load_params(params), prompts[:5], samples=2, eos_id=EOS)
     score = scorer(graphdef)
     worst = 0.0
@@ -101,9 +115,9 @@ def test_logprobs_match_full_model(model, prompts, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (6, 0.8)])
-def test_sampled_tokens_independent_of_slot_batch_and_order(model, prompts, top_k, top_p):
+def test_sampled_tokens_independent_of_slot_batch_and_order(model, prompts, engine, top_k, top_p):
     graphdef, params = model
-    eng = make_engine(graphdef, temperature=1.0, top_k=top_k, top_p=top_p)
+    eng = engine(temperature=1.0, top_k=top_k, top_p=top_p)
     p = eng.load_params(params)
     a = generate_all(eng, p, prompts, samples=3, eos_id=EOS)
     # Reversed order with the same ordinals: every sample lands in another slot, next to
@@ -112,7 +126,7 @@ def test_sampled_tokens_independent_of_slot_batch_and_order(model, prompts, top_
     b = generate_all(eng, p, [prompts[i] for i in order], samples=3, eos_id=EOS, ordinals=order)
     b = [b[order.index(i)] for i in range(len(prompts))]
     # Another slot count is another compiled program; tokens must still agree.
-    eng2 = make_engine(graphdef, slots=3, temperature=1.0, top_k=top_k, top_p=top_p)
+    eng2 = engine(slots=3, temperature=1.0, top_k=top_k, top_p=top_p)
     c = generate_all(eng2, eng2.load_params(params), prompts, samples=3, eos_id=EOS)
     distinct = set()
     for i in range(len(prompts)):
@@ -126,10 +140,10 @@ def test_sampled_tokens_independent_of_slot_batch_and_order(model, prompts, top_
     assert len(distinct) > len(prompts), "samples of one prompt should differ"
 
 
-def test_sharded_slots_over_all_devices_match_one_device(model, prompts):
+def test_sharded_slots_over_all_devices_match_one_device(model, prompts, engine):
     graphdef, params = model
     assert len(jax.devices()) == 4
-    one = make_engine(graphdef, temperature=1.0)
+    one = engine(temperature=1.0)
     many = make_engine(graphdef, temperature=1.0, devices=None)
     k0 = many.init_decode_state().arrays.cache["k"]  # [L, S, ...]
     assert k0.sharding.spec[1] == "data"
@@ -142,9 +156,9 @@ def test_sharded_slots_over_all_devices_match_one_device(model, prompts):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_continue_from_completion_prefix(model, prompts, temperature):
+def test_continue_from_completion_prefix(model, prompts, engine, temperature):
     graphdef, params = model
-    eng = make_engine(graphdef, temperature=temperature)
+    eng = engine(temperature=temperature)
     p = eng.load_params(params)
     full = generate_all(eng, p, prompts[:3], eos_id=None, ordinals=[10, 11, 12])
     state = eng.init_decode_state()
@@ -201,13 +215,12 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
 
 @pytest.mark.parametrize("devices,layout", [("one", "stacked"), (None, "stacked"), ("one", "recent"),
                                             (None, "recent")])
-def test_generate_steps_equals_single_steps(model, prompts, devices, layout):
+def test_generate_steps_equals_single_steps(model, prompts, engine, devices, layout):
     """K decode steps in one call produce the tokens and logprobs of K single calls of the
     stacked cache, in every cache layout."""
     graphdef, params = model
+    one = engine(temperature=1.0, top_k=5, devices=devices, recent=False)
     devices = jax.devices()[:1] if devices == "one" else jax.devices()
-    one = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                 top_k=5, top_p=1.0, seed=7, devices=devices, recent=False)
     many = Engine(CFG, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
                   top_k=5, top_p=1.0, seed=7, devices=devices, steps_per_call=3, **CACHE_LAYOUTS[layout])
     assert many.recent == (layout == "recent")
@@ -264,11 +277,11 @@ def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k, layou
     assert engines[0].compile_counts()["generate"] == 2 and engines[1].compile_counts()["generate"] == 1
 
 
-def test_generate_all_in_chunks_equals_one_token_per_call(model, prompts):
+def test_generate_all_in_chunks_equals_one_token_per_call(model, prompts, engine):
     """K tokens per call, ends found per chunk, freed slots refilled: the same completions as
     one token per call, with stop tokens and per-sample length caps both ending samples."""
     graphdef, params = model
-    one = make_engine(graphdef, temperature=1.0, slots=3)
+    one = engine(temperature=1.0, slots=3)
     many = Engine(CFG, graphdef, vocab_size=V, slots=3, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
                   top_k=0, top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=3)
     caps = np.random.RandomState(1).randint(1, N + 2, (len(prompts), 2)).tolist()

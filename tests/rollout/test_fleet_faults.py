@@ -5,7 +5,7 @@ import signal
 import threading
 
 import pytest
-from fleet_servers import SHARED, TRAIN, Server, stop_all, write_servers
+from fleet_servers import SHARED, TRAIN, Server, shared_server, stop_all, write_servers
 from helpers import lineage, run_cli, spawn, wait_until
 
 from async_rl import config as C
@@ -25,6 +25,13 @@ def servers():
     stop_all()
 
 
+@pytest.fixture(scope="module")
+def good():
+    """A well-behaved server the tests that need one share, one trainer after another."""
+    with shared_server() as s:
+        yield s
+
+
 def remote(servers_file) -> list[str]:
     return [*SHARED, *TRAIN, *SMALL, "engine.backend=remote", f"engine.servers_file={servers_file}"]
 
@@ -41,12 +48,12 @@ def unreachable() -> str:
 
 
 @pytest.mark.slow
-def test_garbage_from_a_server_takes_it_down_and_its_samples_go_on_elsewhere(tmp_path, xla_cache, servers):
+def test_garbage_from_a_server_takes_it_down_and_its_samples_go_on_elsewhere(tmp_path, xla_cache, servers, good):
     """A token past the vocabulary, a version never given, a stream cut inside an event; and a
     server on another model (refused by fingerprint, the field named)."""
     bad = {kind: Server(fault=f"garble:{kind}:3") for kind in ("token", "version", "cut")}
-    other, good = Server("model.d_ff=128"), Server()
-    for s in (*bad.values(), other, good):
+    other = Server("model.d_ff=128")
+    for s in (*bad.values(), other):
         s.ready()
     write_servers(tmp_path / "servers.txt", [*bad.values(), other, good])
     r = run_cli(tmp_path / "run", *remote(tmp_path / "servers.txt"), cache=xla_cache, timeout=400)
@@ -75,8 +82,8 @@ class Said:
 
 
 @pytest.mark.slow
-def test_no_server_at_start_is_said_the_trainer_waits_then_trains_when_one_joins(tmp_path, xla_cache, servers):
-    late = Server()  # starts while the trainer waits
+def test_no_server_at_start_is_said_the_trainer_waits_then_trains_when_one_joins(tmp_path, xla_cache, good):
+    late = good  # joins the servers file while the trainer waits
     servers_file = tmp_path / "servers.txt"
     gone = unreachable()
     servers_file.write_text(gone + "\n")
@@ -85,7 +92,7 @@ def test_no_server_at_start_is_said_the_trainer_waits_then_trains_when_one_joins
     try:
         said.wait_for(f"fleet: server {gone} is down: ConnectError")
         said.wait_for("fleet: waiting for a generation server: none ready")
-        write_servers(servers_file, [late.ready()])
+        write_servers(servers_file, [late])
         said.wait_for(f"fleet: server {late.url} joined")
         assert p.wait(timeout=300) == 0, str(said)
     finally:
@@ -110,9 +117,9 @@ def test_with_every_server_gone_the_trainer_says_it_waits_and_sigterm_exits_zero
 
 
 @pytest.mark.slow
-def test_a_server_killed_while_it_loads_weights_is_down_and_the_run_goes_on(tmp_path, xla_cache, servers):
-    slow, good = Server(weights_delay=4.0), Server()
-    write_servers(tmp_path / "servers.txt", [slow.ready(), good.ready()])
+def test_a_server_killed_while_it_loads_weights_is_down_and_the_run_goes_on(tmp_path, xla_cache, servers, good):
+    slow = Server(weights_delay=4.0)
+    write_servers(tmp_path / "servers.txt", [slow.ready(), good])
     p = spawn(tmp_path / "run", *remote(tmp_path / "servers.txt"), cache=xla_cache)
     said = Said(p)
     try:

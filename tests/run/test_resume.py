@@ -4,24 +4,60 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import cfg, checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest
+from helpers import FAST, cfg, checkpoint_steps, lineage, read_ledger, rollouts, run_cli, steps_of, tree_digest
 
 from async_rl.config import ConfigError
+from async_rl.run.cli import main
 from async_rl.run.train import train
 from async_rl.state.audit import audit
 
 BASE = ["data.shuffle=false", "data.num_records=24", "rollout.prompts_per_step=3"]
 
 
-# CI runs lookahead 3 (more groups buffered across the resume); the same path at 1 under `make soak`
+def refused_cli(capsys, run_dir, *overrides) -> str:
+    """`async-rl train` in-process (a refusal happens before anything is compiled or written: no
+    process of its own needed), which must exit 2 with one `error:` line; its stderr."""
+    code = main(["train", "--config", "configs/tiny.yaml", f"run.dir={run_dir}", *FAST, *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err[-2000:]
+    return err
+
+
+# 4 steps of BASE buffering 3 steps ahead, checkpoints 2 and 4
+AHEAD = [*BASE, "sampler.max_lookahead=3", "checkpoint.every_steps=2", "checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def _four_ahead(tmp_path_factory, xla_cache):
+    """AHEAD trained to step 4 once: the tests that start from it take a copy each."""
+    run = tmp_path_factory.mktemp("four_ahead")
+    r = run_cli(run, *AHEAD, "train.max_steps=4", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return run
+
+
+@pytest.fixture
+def four_ahead(_four_ahead, tmp_path):
+    """A copy of the 4-step AHEAD run in tmp_path / "run"."""
+    return shutil.copytree(_four_ahead, tmp_path / "run")
+
+
+# CI runs lookahead 3 (more groups buffered across the resume; the shared AHEAD run); the same
+# path at 1 under `make soak`
 @pytest.mark.parametrize("lookahead", [pytest.param(1, marks=pytest.mark.soak), 3])
-def test_buffered_run_ahead(tmp_path, xla_cache, lookahead):
-    r = run_cli(tmp_path, *BASE, f"sampler.max_lookahead={lookahead}", "train.max_steps=4", cache=xla_cache)
-    assert r.returncode == 0, r.stderr
-    r = run_cli(tmp_path, *BASE, f"sampler.max_lookahead={lookahead}", "train.max_steps=6", cache=xla_cache)
+def test_buffered_run_ahead(tmp_path, xla_cache, request, lookahead):
+    ov = [*BASE, f"sampler.max_lookahead={lookahead}", "checkpoint.every_steps=2", "checkpoint.keep=3"]
+    if lookahead == 3:
+        run = request.getfixturevalue("four_ahead")
+    else:
+        run = tmp_path
+        r = run_cli(run, *ov, "train.max_steps=4", cache=xla_cache)
+        assert r.returncode == 0, r.stderr
+    r = run_cli(run, *ov, "train.max_steps=6", cache=xla_cache)
     assert r.returncode == 0, r.stderr
     assert "resumed step 4" in r.stderr
-    steps = steps_of(tmp_path)
+    steps = steps_of(run)
     assert steps[5] == [12, 13, 14] and steps[6] == [15, 16, 17]
     assert sorted(p for s in range(1, 7) for p in steps[s]) == list(range(18))
 
@@ -120,7 +156,7 @@ def test_exhaustion_on_a_batch_boundary(tmp_path, xla_cache, epochs):
 
 
 @pytest.mark.slow
-def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
+def test_a_refused_resume_touches_nothing(tmp_path, xla_cache, capsys):
     r = run_cli(tmp_path, *BASE, "train.max_steps=2", "checkpoint.every_steps=1", cache=xla_cache)
     assert r.returncode == 0, r.stderr
     before = tree_digest(tmp_path, skip=("e2",))
@@ -129,8 +165,7 @@ def test_a_refused_resume_touches_nothing(tmp_path, xla_cache):
                 ("rollout.max_new_tokens=3",)]
     with_epochs = run_cli(tmp_path / "e2", *BASE, "data.num_epochs=2", "train.max_steps=1", cache=xla_cache)
     assert with_epochs.returncode == 0, with_epochs.stderr
-    r = run_cli(tmp_path, *BASE, "data.seed=7", cache=xla_cache)  # the command line: exit 2, one line
-    assert r.returncode == 2 and "data.seed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "data.seed" in refused_cli(capsys, tmp_path, *BASE, "data.seed=7")  # the command line: exit 2, one line
     for change in refusals:  # in-process (faster): the same refusal, raised before anything is written
         where = tmp_path / "e2" if "data.num_epochs=1" in change else tmp_path
         snap = tree_digest(where)
@@ -158,24 +193,22 @@ def test_more_epochs_continue_a_finished_run(tmp_path, xla_cache):
     assert audit(tmp_path)["ok"]
 
 
-def test_damaged_latest_step_falls_back(tmp_path, xla_cache):
-    r = run_cli(tmp_path, *BASE, "train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep=3",
-                cache=xla_cache)
-    assert r.returncode == 0, r.stderr
-    assert checkpoint_steps(tmp_path) == [2, 4]
-    victim = next((tmp_path / "checkpoints" / "4" / "ledger").glob("*.bin"))
+def test_damaged_latest_step_falls_back(four_ahead, xla_cache):
+    run = four_ahead  # its saved ledgers hold groups buffered for up to 3 steps ahead
+    assert checkpoint_steps(run) == [2, 4]
+    victim = next((run / "checkpoints" / "4" / "ledger").glob("*.bin"))
     victim.write_bytes(victim.read_bytes()[:10])  # truncated
-    r = run_cli(tmp_path, *BASE, "train.max_steps=5", cache=xla_cache)
+    r = run_cli(run, *AHEAD, "train.max_steps=5", cache=xla_cache)
     assert r.returncode == 0, r.stderr
     assert "checkpoint step 4" in r.stderr and "damaged" in r.stderr
     assert "resumed step 2" in r.stderr
-    assert (tmp_path / "damaged").exists()
-    steps = steps_of(tmp_path)
+    assert (run / "damaged").exists()
+    steps = steps_of(run)
     assert sorted(steps) == [1, 2, 3, 4, 5]
     assert sorted(p for ids in steps.values() for p in ids) == list(range(15))
 
 
-def test_an_edited_or_grown_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_cache):
+def test_an_edited_or_grown_prompt_file_is_refused_and_a_moved_one_is_not(tmp_path, xla_cache, capsys):
     data = tmp_path / "prompts.jsonl"
     lines = [json.dumps({"prompt": f"{i}{i + 1}=", "answer": f"{i + 1}{i}"}) + "\n" for i in range(12)]
     data.write_text("".join(lines))
@@ -185,13 +218,11 @@ def test_an_edited_or_grown_prompt_file_is_refused_and_a_moved_one_is_not(tmp_pa
     assert r.returncode == 0, r.stderr
     before = tree_digest(tmp_path / "run")
     data.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same size, same line count
-    r = run_cli(tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=4", cache=xla_cache)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert "prompt file changed" in r.stderr and "line 1 (prompt_id 0)" in r.stderr, r.stderr[-2000:]
+    err = refused_cli(capsys, tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=4")
+    assert "prompt file changed" in err and "line 1 (prompt_id 0)" in err, err[-2000:]
     assert tree_digest(tmp_path / "run") == before
     data.write_text("".join([*lines, json.dumps({"prompt": "77=", "answer": "77"}) + "\n"]))  # grown by a line
-    r = run_cli(tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=4", cache=xla_cache)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    refused_cli(capsys, tmp_path / "run", *ov, f"data.path={data}", "train.max_steps=4")
     assert tree_digest(tmp_path / "run") == before
     moved = tmp_path / "elsewhere" / "prompts.jsonl"
     moved.parent.mkdir()
