@@ -99,7 +99,9 @@ def test_sigterm_while_a_chat_template_never_ends_stops_start_up(tmp_path):
         p.kill()
     assert rc == 0, err[-2000:]
     assert "SIGTERM during start-up: stopped before changing anything" in err and "Traceback" not in err
-    assert took < 4, took  # the render's own bound is 5 s
+    # exit 0 with that line: the SIGTERM stopped it (the render's own 5 s bound exits 2); bounded
+    # loosely, a loaded host is slow to deliver and handle the signal
+    assert took < 30, took
     assert not run.exists()
 
 
