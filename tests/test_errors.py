@@ -8,7 +8,9 @@ import async_rl
 from async_rl.errors import RunFailure, UsageError
 
 # control flow inside the package, never shown to a user
-INTERNAL = {"Stopped", "Conflict", "GaveUp", "Damaged", "_Interrupt", "_TooLarge", "_ConnectCancelled"}
+# internal: raised and answered inside their module (a 400, a server taken down, a 503)
+INTERNAL = {"Stopped", "Conflict", "GaveUp", "Damaged", "_Interrupt", "_TooLarge", "_ConnectCancelled", "_Garbage",
+            "BadRequest", "TransferError"}
 
 
 def test_every_error_class_has_a_kind():

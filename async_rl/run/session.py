@@ -133,7 +133,7 @@ class Session:
             engine=self.engine, params=params_e, version=self.step, stop_ids=self.stop_ids,
             n_tokens=parts.tok.vocab_size, spare_slots=eval_slots(cfg) if self.primary else 0,
             lora=self.learner.lora, tok=parts.tok, run_dir=parts.run_dir,
-            run_tag=f"{rundir.run_identity(parts.run_dir)}.{secrets.token_hex(4)}", log=log))
+            run_tag=self._run_tag(cfg, parts), log=log))
         episodes, env_runner = self._episodes(cfg, parts)
         self.pump = Pump(ledger=self.ledger, sampler=self.sampler, rollout=rollout, iterator=parts.iterator,
                          tokenizer=parts.tok, reward_fn=parts.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -149,6 +149,13 @@ class Session:
         if self.evaluator is not None:
             log(f"eval: every {cfg.eval.every_steps} steps and at the end, {self.evaluator.describe()}")
         self.params_e = params_e
+
+    @staticmethod
+    def _run_tag(cfg, parts) -> str:
+        """A fleet's request tag: the run's identity and this session (only a fleet makes run_id)."""
+        if cfg.engine.backend != "remote":
+            return ""
+        return f"{rundir.run_identity(parts.run_dir)}.{secrets.token_hex(4)}"
 
     def _settle_runtime(self) -> None:
         """The interpreter settings the loop runs under (`close` puts the switch interval back)."""
