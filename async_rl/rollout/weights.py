@@ -111,6 +111,24 @@ def load_leaves(uri) -> dict:
     return out
 
 
+def hf_named(leaves: dict, *, tie_embeddings: bool = False):
+    """(HF tensor name, NumPy array in the HF layout) for each leaf of a full weights file
+    (`load_leaves`), one at a time: what another engine loads (a vLLM fleet server). A tied
+    head is given as `lm_head.weight` too (vLLM's in-place reload expects it)."""
+    from async_rl.model import hf
+
+    keys = {k: k.removesuffix("/value").replace("/", ".") for k in leaves}
+    gemma = hf.is_gemma(keys.values())
+    for key, ours in keys.items():
+        x = leaves[key]
+        for name, _, layer, transposed in hf.hf_tensors(ours, tuple(x.shape), gemma):
+            y = x if layer is None else x[layer]
+            y = np.ascontiguousarray(y.T if transposed else y)
+            yield name, y
+            if tie_embeddings and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", y
+
+
 def engine_like(engine, abstract):
     """The tree an engine's weights file must match: `abstract` (the model's parameters, any
     dtype) with each leaf in the engine's dtype (`Engine.param_dtype`)."""
@@ -133,6 +151,21 @@ def tokenizer_digest(tok) -> str:
     if getattr(tok, "path", None) is not None:
         ident["tokenizer.json"] = hashlib.sha256((Path(tok.path) / "tokenizer.json").read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+# what a copy of the same checkpoint may differ in without serving other tokens
+_HF_VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+
+
+def hf_fingerprint(path) -> dict:
+    """What a vLLM fleet server and a trainer must agree on, from the Hugging Face directory
+    each names: its config (less where it was written and its storage dtype) and its
+    tokenizer.json, each as sha256."""
+    p = Path(path)
+    hc = {k: v for k, v in json.loads((p / "config.json").read_text()).items() if k not in _HF_VOLATILE}
+    tok = p / "tokenizer.json"
+    return {"hf.config": hashlib.sha256(json.dumps(hc, sort_keys=True).encode()).hexdigest(),
+            "hf.tokenizer": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.exists() else "(none)"}
 
 
 def _plain(v):
