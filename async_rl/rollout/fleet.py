@@ -20,6 +20,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from async_rl.config import ConfigError
 from async_rl.rollout import transfer, weights
@@ -28,6 +29,7 @@ from async_rl.store import runfiles, storage
 PROBE_EVERY_S = 2.0  # membership re-read and health probes
 BASE = "base.npz"  # LoRA: the frozen base, written once per session
 VERSION_FILE = re.compile(r"v\d+\.npz")
+PEFT_DIR = re.compile(r"peft-v\d+")  # LoRA on vLLM servers: one PEFT adapter directory per version
 SESSION = "session"  # the request tag of the trainer session that drives the fleet now
 VLLM_HOW = ("a vLLM server must run with VLLM_SERVER_DEV_MODE=1 and "
             "--worker-extension-cls async_rl.rollout.vllm_worker.FleetWorker")
@@ -45,7 +47,9 @@ class Server:
     why: str = ""  # why it is down or refused (said once)
     pushing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weights load at a time
     kind: str = "async-rl"  # async-rl | vllm (a stock `vllm serve` with the worker extension)
-    model: str = "async-rl"  # the model name its completions requests carry
+    model: str = "async-rl"  # the model name its completions requests carry (LoRA on vLLM: the adapter's)
+    base: str = ""  # vLLM: the checkpoint's model name; LoRA adapters are named besides it
+    adapters: list = field(default_factory=list)  # vLLM + LoRA: adapter names loaded, oldest first
 
 
 def parse_urls(text: str, source: str) -> list[str]:
@@ -83,6 +87,8 @@ class Fleet:
         self.run_tag = run_tag
         self.fence = self._take_session(run_tag) if run_tag else None
         self.base_uri: str | None = None  # LoRA: the frozen base's file (version files hold adapters)
+        self.lora = cfg.learner.lora_rank > 0
+        self._adapters: tuple | None = None  # LoRA: (version, its adapters) for vLLM servers' PEFT directories
         self.current: tuple[int, str] | None = None  # (version, uri) every server should hold
         self.given: set[int] = set()  # versions published to the fleet (a server reporting another is garbage)
         self._file_said = ""
@@ -204,9 +210,11 @@ class Fleet:
         if models[0].get("owned_by") != "vllm":
             return "it answers neither /v1/fleet/info (async-rl serve) nor as a vLLM server"
         s.kind, s.model = "vllm", str(models[0].get("id"))
+        s.base, s.adapters = s.model, []
         e, hf_path = self.cfg.engine, self.cfg.model.hf_path
-        why = ("a LoRA run's fleet is async-rl serve servers" if self.cfg.learner.lora_rank else
-               "run.determinism: vLLM's tokens are not bit-identical to the built-in engine's" if self.cfg.run.determinism
+        why = ("run.determinism: vLLM's tokens are not bit-identical to the built-in engine's" if self.cfg.run.determinism
+               else "a LoRA run's adapters are read from run.dir by a vLLM server: it must be a local folder they share"
+               if self.lora and storage.is_remote(self.cfg.run.dir)
                else "engine.weights_transport=jax reaches async-rl serve servers only" if self.transport == "jax"
                else "model.hf_path is not set (the checkpoint a vLLM server serves)" if not hf_path else None)
         if why is not None:
@@ -220,6 +228,8 @@ class Fleet:
             return f"--logprobs-mode is {info['logprobs_mode']}, not processed_logprobs"
         if info["max_model_len"] < (need := e.max_prompt_len + self.cfg.rollout.max_new_tokens):
             return f"--max-model-len {info['max_model_len']} < {need} (engine.max_prompt_len + rollout.max_new_tokens)"
+        if self.lora and (why := _lora_refusal(info.get("lora"), self.cfg.learner.lora_rank)) is not None:
+            return why
         s.capacity = int(info["capacity"])
         return None
 
@@ -245,7 +255,7 @@ class Fleet:
         """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited)."""
         bound = max(60.0, self.timeout_s)
         if s.kind == "vllm":
-            return await self._push_vllm(s, version, uri, bound)
+            return await (self._push_lora(s, bound) if self.lora else self._push_vllm(s, version, uri, bound))
         if self.transport == "jax":
             offer = self.offer  # the newest version's leaves: an older one is gone already
             version = offer.version
@@ -278,6 +288,46 @@ class Fleet:
         if ready and s.state == "loading":
             s.state = "ready"
         self.on_change()
+
+    async def _push_lora(self, s: Server, bound: float) -> None:
+        """A LoRA run's newest adapters into a vLLM server under a name of their own
+        (`/v1/load_lora_adapter`): each request names the adapter it runs with, so samples on the
+        server keep theirs and the version a token carries is the one its request named. The
+        name before the previous one is unloaded (in-flight requests keep what they hold; the
+        previous may still be named by a request being sent). In place: a server that was down
+        but kept running may hold the name already."""
+        version, path = await asyncio.to_thread(self._peft)
+        name = f"{self.run_tag or 'async-rl'}-v{version}"
+        r = await self.client.post(f"{s.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,
+                                                                         "load_inplace": True},
+                                   timeout=bound)
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/load_lora_adapter answered {r.status_code}: {r.text[:200]}")
+        s.adapters.append(name)
+        s.model, s.version, s.last_ok = name, version, time.monotonic()
+        for old in s.adapters[:-2]:
+            r = await self.client.post(f"{s.url}/v1/unload_lora_adapter", json={"lora_name": old}, timeout=bound)
+            if r.status_code not in (200, 404):
+                raise RuntimeError(f"/v1/unload_lora_adapter answered {r.status_code}: {r.text[:200]}")
+        del s.adapters[:-2]
+        self.on_change()
+
+    def _peft(self) -> tuple[int, str]:
+        """The newest version's adapters as a PEFT directory under run.dir (written once; the
+        newest few kept: vLLM reads an adapter again from its directory once it dropped it)."""
+        from async_rl.model import hf
+
+        version, adapters = self._adapters
+        out = storage.run_path(self.dir) / f"peft-v{version:010d}"
+        if not (out / "adapter_config.json").exists():
+            tmp = out.with_name(out.name + ".tmp")
+            storage.remove_tree(tmp)
+            hf.save_peft(adapters, tmp, rank=self.cfg.learner.lora_rank,
+                         alpha=self.cfg.learner.lora_alpha, gemma=self.cfg.model.gemma)
+            storage.move(tmp, out)
+        for name in sorted(n for n in storage.listdir(self.dir) if PEFT_DIR.fullmatch(n))[:-KEEP_VERSIONS]:
+            storage.remove_tree(storage.run_path(self.dir) / name)
+        return version, str(Path(out).resolve())
 
     async def push_all(self) -> None:
         """Every ready server loads the newest version."""
@@ -317,6 +367,9 @@ class Fleet:
                 weights.save(base, params, version, only=lambda k: not weights.is_adapter(k))
                 self.base_uri = base
         weights.save(uri, params, version, only=only)
+        if only is not None:
+            from flax import nnx
+            self._adapters = (version, nnx.filter_state(params, nnx.LoRAParam))
         self.current = (version, uri)
         self.given.add(version)
         for name in sorted(n for n in storage.listdir(self.dir) if VERSION_FILE.fullmatch(n))[:-KEEP_VERSIONS]:
@@ -338,13 +391,30 @@ class Fleet:
         """Servers that may take new samples: up and holding the run's weights."""
         return [s for s in list(self.servers.values()) if s.state == "ready" and s.version == version]
 
-    def say_waiting(self, every_s: float = 30.0) -> None:
-        """With no server able to take work, says so once per interval."""
+    def say_waiting(self, version: int, every_s: float = 30.0) -> None:
+        """With no server able to take work for `version`, says so once per interval, and why
+        for each (one up but still loading `version` says that)."""
         now = time.monotonic()
         if now - self._waiting_said >= every_s:
             self._waiting_said = now
-            named = ", ".join(f"{s.url} ({s.state}{': ' + s.why if s.why else ''})" for s in list(self.servers.values()))
+
+            def why(s: Server) -> str:
+                if s.state in ("ready", "loading") and s.version != version:
+                    return f"loading weights version {version}"
+                return s.state + (f": {s.why}" if s.why else "")
+            named = ", ".join(f"{s.url} ({why(s)})" for s in list(self.servers.values()))
             self.log(f"fleet: waiting for a generation server: none ready ({named or 'none named yet'})")
+
+
+def _lora_refusal(lora: dict | None, rank: int) -> str | None:
+    """Why a vLLM server cannot serve a LoRA run's adapters of `rank` (its `async_rl_info`), or None."""
+    if lora is None:
+        return f"LoRA is off: start it with --enable-lora --max-lora-rank {rank} or more"
+    if lora["max_lora_rank"] < rank:
+        return f"--max-lora-rank {lora['max_lora_rank']} < learner.lora_rank {rank}"
+    if not lora["runtime_updates"]:
+        return "it loads no adapters while serving: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+    return None
 
 
 def _host(addr: str) -> str:

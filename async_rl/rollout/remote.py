@@ -9,7 +9,7 @@ per slot (`Chunk.count_S`). A stream that fails, goes silent past `engine.health
 answers garbage takes its server down: every sample on it is reported lost (`Chunk.lost`) once
 the tokens that did arrive are handed over, and the allocator continues it on another server.
 A stock vLLM server (`fleet`, `vllm_worker`) is asked with vLLM's own sampling fields, and its
-tokens carry the version it held when the request began.
+tokens carry the version it held when the request began (with LoRA, the adapter the request names).
 Runs its HTTP calls on an event loop of its own thread; the pump's calls only queue work and
 read what arrived. Needs the `[fleet]` extra (httpx).
 Does not own: membership, health and weights (`fleet`), the server (`server`), the ledger.
@@ -48,6 +48,7 @@ class _Stream:
     vers: list = field(default_factory=list)
     got: int = 0  # tokens this stream brought in all
     version: int = 0  # the weights its server held when it began (a vLLM server's tokens carry none)
+    model: str = ""  # the model its request names (LoRA on vLLM: the adapter of `version`)
     ended: bool = False  # the server ended the sample (its tokens end it)
     lost: str = ""  # why the sample must go on elsewhere
 
@@ -132,7 +133,7 @@ class RemoteRollout:
             if self._failed is not None:
                 raise self._failed
             if self._queue and not self.fleet.ready(self.version):
-                self.fleet.say_waiting()
+                self.fleet.say_waiting(self.version)
             n = max([len(s.toks) for s in self._streams.values()] + [1])
             toks, lps = np.zeros((n, self.capacity), np.int32), np.zeros((n, self.capacity), np.float32)
             vers, count = np.full((n, self.capacity), self.version, np.int64), np.zeros(self.capacity, np.int64)
@@ -216,7 +217,7 @@ class RemoteRollout:
                 if self._streams.get(s.start.slot) is not s:
                     continue  # stopped while it waited
                 s.server = min(room, key=lambda v: v.active / v.capacity)
-                s.version = s.server.version
+                s.version, s.model = s.server.version, s.server.model  # taken together: a push may follow
                 s.server.active += 1  # given back when the task ends, even one cancelled before it ran
                 s.task = self._loop.create_task(self._run(s))
                 s.task.add_done_callback(lambda _, v=s.server: self._ended_on(v))
@@ -228,7 +229,7 @@ class RemoteRollout:
     async def _run(self, s: _Stream) -> None:
         srv, st = s.server, s.start
         self._n += 1
-        body = {"model": srv.model, "prompt": [int(t) for t in st.prompt] + list(st.tokens),
+        body = {"model": s.model, "prompt": [int(t) for t in st.prompt] + list(st.tokens),
                 "max_tokens": st.budget, "stream": True, "logprobs": 1, "return_token_ids": True}
         if srv.kind == "vllm":  # sampling as the vLLM backend asks for it (vllm_backend.VLLMRollout.start)
             body |= self.sampling | {"logprobs": 0, "ignore_eos": True, "stop_token_ids": sorted(self.stops),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import shutil
 from pathlib import Path
 
 from async_rl.config import ConfigError
@@ -364,7 +365,12 @@ def move(src, dst) -> None:
 
 
 def remove_tree(p) -> None:
-    """Deletes everything under folder `p` of an object store (nothing where it is gone)."""
+    """Deletes folder `p` and everything under it (nothing where it is gone). A local folder
+    that is a link is refused; links inside it are removed, never followed."""
+    if not is_remote(p):
+        no_link(p)
+        shutil.rmtree(p, ignore_errors=True)
+        return
     fs = filesystem(p)
     try:
         found = fs.find(url(p))
