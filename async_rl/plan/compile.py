@@ -100,6 +100,7 @@ class Part:
     model_flops: float = 0.0
     error: str = ""
     kv_bytes: int = 0  # engine: the KV cache's share on a chip
+    sequences: int = 0  # engine: the sequences its KV cache holds at once (slots)
     resident_bytes: int = 0  # what stays allocated between this program's runs (state)
     attention: str = ""  # learner: the attention kernel in the compiled step
     mesh: Mesh | None = None  # the devices it was compiled for, as the run lays them out
@@ -128,6 +129,18 @@ class Report:
         return {"est_step_s": step, "est_mfu": lp.model_flops / (step * self.chip.peak_flops),
                 "bound": "compute" if t_flops >= t_bytes else "memory"}
 
+    def engine_capacity(self) -> tuple[int | None, float | None]:
+        """(sequences of the configured lengths one engine could hold at once: its slots plus what
+        the HBM left on its chips holds at the same KV bytes per sequence; bytes read per
+        generated token at its slots, summed over its chips), None where not known."""
+        ep, lp = self.parts.get("engine"), self.parts.get("learner")
+        if ep is None or ep.error or not ep.sequences or not ep.kv_bytes:
+            return None, None
+        free = self.chip.hbm_bytes - ep.total_bytes - (lp.resident_bytes if lp is not None else 0)
+        most = ep.sequences + max(0, int(free * ep.sequences // ep.kv_bytes))
+        chips = ep.mesh.size if ep.mesh is not None else 1
+        return most, (ep.bytes_accessed * chips / ep.sequences if ep.bytes_accessed else None)
+
     def as_json(self) -> dict:
         lp = self.parts.get("learner")
         out = {"fits": self.fits, "config": self.config, "topology": self.topology, "chip": self.chip.name,
@@ -149,6 +162,7 @@ class Report:
                        engine_decode_read_ratio=(ep.bytes_accessed / (ep.params_bytes + ep.kv_bytes)
                                                  if ep.bytes_accessed else None),
                        engine_compile_s=ep.compile_s, engine_error=ep.error or None)
+            out["engine_max_sequences"], out["engine_bytes_accessed_per_token"] = self.engine_capacity()
         out.update(self.estimates())
         out["knobs"] = self.knobs
         return out
@@ -393,7 +407,8 @@ def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool
     temp = max(dm.temp_size_in_bytes, pm.temp_size_in_bytes + pm.output_size_in_bytes)
     total = dm.argument_size_in_bytes + temp + max(dm.output_size_in_bytes - dm.alias_size_in_bytes, 0)
     part = Part("engine", total <= chip.hbm_bytes, compile_s, params_bytes=w, temp_bytes=temp,
-                other_bytes=total - w - st - temp, total_bytes=total, kv_bytes=kv, resident_bytes=w + st, mesh=eng.mesh)
+                other_bytes=total - w - st - temp, total_bytes=total, kv_bytes=kv, resident_bytes=w + st, mesh=eng.mesh,
+                sequences=eng.max_concurrent_decodes)
     if cost:
         # 2 and 3 layers: with 1, fusion differs enough to skew the per-layer difference
         two, three = (np.array(_cost(_decode_call(eng_l).lower(p_l, s_l).compile())) / eng_l.steps_per_call
@@ -518,4 +533,9 @@ def format_engine(rep: Report, ep: Part) -> list[str]:
         lines.append(f"  decode step: {_si(ep.bytes_accessed, 'B')} accessed = {ep.bytes_accessed / need:.2f}x "
                      f"(weights + KV cache); at {rep.chip.hbm_bandwidth / 1e9:,.0f} GB/s: "
                      f"{ep.bytes_accessed / rep.chip.hbm_bandwidth * 1e3:.1f} ms")
+    most, per_token = rep.engine_capacity()
+    if most is not None:
+        lines.append(f"  sequences: {ep.sequences} slots of {_si(ep.kv_bytes / ep.sequences, 'B')} KV per chip each; "
+                     f"at most {most} fit these lengths" + (f"; {_si(per_token, 'B')} read per generated token "
+                                                            "(all chips)" if per_token else ""))
     return lines

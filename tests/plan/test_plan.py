@@ -136,6 +136,10 @@ def test_engine_part_splits_weights_and_cache_and_counts_every_layer(monkeypatch
     assert ep.bytes_accessed == pytest.approx(nbytes, rel=0.05)
     js = rep.as_json()
     assert js["engine_bytes_per_chip"] == ep.total_bytes and js["engine_bytes_accessed_per_decode_step"] > 0
+    # 4 chips, 8 slots: a step reads 4 chips' bytes for 8 tokens; the CPU "HBM" holds many more slots
+    assert js["engine_bytes_accessed_per_token"] == pytest.approx(ep.bytes_accessed * 4 / 8)
+    free = rep.chip.hbm_bytes - ep.total_bytes - rep.parts["learner"].resident_bytes  # the chips are shared
+    assert js["engine_max_sequences"] == 8 + int(free * 8 // ep.kv_bytes) > 8
 
 
 def test_tpu_decode_reads_the_q_and_k_kernels_where_they_lie():
