@@ -93,6 +93,8 @@ class Rates:
             out["rollout/env_observations_cut"] = stats.env_cut
         if getattr(stats, "moved", 0):  # a fleet: samples continued on another server (cumulative)
             out["rollout/samples_moved"] = stats.moved
+        if getattr(stats, "prefix_cached", 0):  # vLLM: prompt tokens read from its prefix cache (cumulative)
+            out["rollout/prefix_cached_tokens"] = stats.prefix_cached
         self._t, self._tokens, self._wait, self._idle = now, stats.tokens, self.wait_s, stats.idle_s
         self._swap = stats.swap_s
         return out

@@ -234,7 +234,9 @@ class RemoteRollout:
         if srv.kind == "vllm":  # sampling as the vLLM backend asks for it (vllm_backend.VLLMRollout.start)
             body |= self.sampling | {"logprobs": 0, "ignore_eos": True, "stop_token_ids": sorted(self.stops),
                                      "skip_special_tokens": False, "request_id": f"{self.run_tag}-{self._n}",
-                                     "seed": sample_seed(self.seed, st.ordinal, st.sample, len(st.tokens))}
+                                     "seed": sample_seed(self.seed, st.ordinal, st.sample, len(st.tokens)),
+                                     # a prompt cached under another version is never read (vllm_backend)
+                                     "cache_salt": f"{self.run_tag}-v{s.version}"}
         else:
             body["async_rl"] = {"prompt_len": len(st.prompt), "ordinal": st.ordinal, "sample": st.sample,
                                 "run": self.run_tag, "request_id": f"{self.run_tag}-{self._n}"}

@@ -145,6 +145,8 @@ class _Shared:
         self.uses: dict[str, object] = {}  # LoRA: request -> the vllm_lora.Loaded it started with
         self.n = 0  # requests made (unique ids)
         self.version = 0
+        self.cached = 0  # prompt tokens vLLM took from its prefix cache, over every request
+        self.fresh: set[str] = set()  # requests whose cached tokens are not counted yet
 
     def version_of(self, rid: str) -> int:
         """The weights version a request's tokens come from: its adapters' with LoRA, else the engine's."""
@@ -154,6 +156,7 @@ class _Shared:
     def ended(self, rid: str) -> None:
         """A request finished or was aborted: its adapters may go."""
         self.owner.pop(rid, None)
+        self.fresh.discard(rid)
         if (a := self.uses.pop(rid, None)) is not None:
             self.adapters.release(a)
 
@@ -175,10 +178,12 @@ class VLLMRollout:
         # LoRA: hf_path is the learner's frozen base; only adapters cross after start-up
         extra = {} if lora is None else vllm_lora.engine_args(lora.rank, slots + spare_slots, max_new_tokens,
                                                               steps_per_call)
-        # prefix caching off: a prompt cached under old weights would be reused under new ones
+        # prefix caching: a group's samples share their prompt's blocks. Each request is salted
+        # with the version it starts on (`start`), so no prompt cached under old weights is read
+        # under new ones, even where the cache cannot be reset (requests still running)
         llm = LLM(model=str(hf_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                   max_model_len=max_prompt_len + max_new_tokens, max_num_seqs=slots + spare_slots,
-                  enable_prefix_caching=False, logprobs_mode="processed_logprobs",
+                  enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, **extra)
         adapters = None if lora is None else vllm_lora.Adapters(llm.llm_engine, rank=lora.rank, alpha=lora.alpha,
                                                                   gemma=gemma, root=adapter_dir)
@@ -233,7 +238,8 @@ class VLLMRollout:
             else:
                 self.s.runner.reload_weights(weights_iterator=torch_weights(params, self.s.tie, self.device),
                                              is_checkpoint_format=True)
-                self.s.llm.reset_prefix_cache()
+                if not self.s.engine.has_unfinished_requests():  # else it fails: the salt keeps it safe
+                    self.s.llm.reset_prefix_cache()
             self.s.version = version
 
     def start(self, starts: Sequence[Start]) -> None:
@@ -252,7 +258,7 @@ class VLLMRollout:
                 ids = [int(t) for t in np.asarray(s.prompt).reshape(-1)] + [int(t) for t in s.tokens]
                 adapter = None if self.s.adapters is None else self.s.adapters.acquire()
                 try:
-                    self.s.engine.add_request(rid, {"prompt_token_ids": ids}, sp,
+                    self.s.engine.add_request(rid, {"prompt_token_ids": ids, "cache_salt": f"v{self.s.version}"}, sp,
                                               lora_request=None if adapter is None else adapter.request)
                 except BaseException:
                     if adapter is not None:
@@ -260,6 +266,7 @@ class VLLMRollout:
                     raise
                 if adapter is not None:
                     self.s.uses[rid] = adapter
+                self.s.fresh.add(rid)
                 self._req[s.slot], self.s.owner[rid] = rid, (self, s.slot)
                 self._buf[s.slot], self._left[s.slot], self._done[s.slot] = [], s.budget, False
 
@@ -281,7 +288,15 @@ class VLLMRollout:
     def forget(self, ordinals: Sequence[int]) -> None:
         pass  # nothing cached per prompt
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens vLLM read from its prefix cache so far (every view's requests)."""
+        return self.s.cached
+
     def _receive(self, slot: int, out, version: int) -> None:
+        if out.request_id in self.s.fresh:
+            self.s.fresh.discard(out.request_id)
+            self.s.cached += out.num_cached_tokens or 0
         comp = out.outputs[0]
         lps = comp.logprobs or [{} for _ in comp.token_ids]
         for tok, lp in zip(comp.token_ids, lps):

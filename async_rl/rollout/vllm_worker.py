@@ -38,7 +38,8 @@ class FleetWorker:
 
     def async_rl_load(self, uri: str) -> dict:  # noqa: D401
         """Loads a full weights file (`weights.save`, local or object storage) in place; the
-        trainer resets the prefix cache after (a prompt cached under old weights is not reused)."""
+        trainer resets the prefix cache after, with none of its requests running (a prompt
+        cached under old weights is not reused)."""
         import torch
 
         from async_rl.rollout import weights
