@@ -52,6 +52,10 @@ class Server:
     adapters: list = field(default_factory=list)  # vLLM + LoRA: adapter names loaded, oldest first
 
 
+class LoadFailed(RuntimeError):
+    """A server did not load a weights version (the line names the version)."""
+
+
 def parse_urls(text: str, source: str) -> list[str]:
     """URLs from a comma- or line-separated list; raises ValueError naming the bad entry."""
     urls = []
@@ -93,6 +97,8 @@ class Fleet:
         self.given: set[int] = set()  # versions published to the fleet (a server reporting another is garbage)
         self._file_said = ""
         self._waiting_said = 0.0
+        self._reading: dict[str, int] = {}  # version file -> servers loading it now (kept until they end)
+        self.closing = False  # the trainer is closing the fleet: its calls end, no server is down for it
 
     def _take_session(self, tag: str) -> str | None:
         """Records this session's request tag; returns the one recorded before (a killed trainer's)."""
@@ -252,7 +258,21 @@ class Fleet:
                 await self.push(s, *self.current)
 
     async def push(self, s: Server, version: int, uri: str) -> None:
-        """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited)."""
+        """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited).
+        Its file stays while the server reads it, however many versions are published meanwhile
+        (a slow server is not taken down by the newest few being kept)."""
+        name = uri.rsplit("/", 1)[-1]
+        self._reading[name] = self._reading.get(name, 0) + 1
+        try:
+            await self._push(s, version, uri)
+        except Exception as e:
+            raise LoadFailed(f"loading weights version {version} failed: {type(e).__name__} {e}".strip()) from e
+        finally:
+            self._reading[name] -= 1
+            if not self._reading[name]:
+                del self._reading[name]
+
+    async def _push(self, s: Server, version: int, uri: str) -> None:
         bound = max(60.0, self.timeout_s)
         if s.kind == "vllm":
             return await (self._push_lora(s, bound) if self.lora else self._push_vllm(s, version, uri, bound))
@@ -334,8 +354,8 @@ class Fleet:
         async def one(s):
             try:
                 await self.catch_up(s)
-            except Exception as e:  # noqa: BLE001
-                self.down(s, f"loading weights version {self.current[0]} failed: {type(e).__name__} {e}".strip())
+            except Exception as e:  # noqa: BLE001 - push's LoadFailed names the version
+                self.down(s, str(e) if isinstance(e, LoadFailed) else f"{type(e).__name__} {e}".strip())
         await asyncio.gather(*(one(s) for s in list(self.servers.values()) if s.state == "ready"))
 
     async def register(self, s: Server, offer: transfer.Offer, bound: float) -> dict:
@@ -373,11 +393,12 @@ class Fleet:
         self.current = (version, uri)
         self.given.add(version)
         for name in sorted(n for n in storage.listdir(self.dir) if VERSION_FILE.fullmatch(n))[:-KEEP_VERSIONS]:
-            storage.remove(self.dir / name)
+            if name not in self._reading:
+                storage.remove(self.dir / name)
         return uri
 
     def down(self, s: Server, why: str) -> None:
-        if s.state in ("down", "gone", "refused"):
+        if s.state in ("down", "gone", "refused") or self.closing:
             return
         s.state, s.why = "down", why
         self.log(f"fleet: server {s.url} is down: {why}; its samples continue on other servers")

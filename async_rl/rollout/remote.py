@@ -161,10 +161,13 @@ class RemoteRollout:
 
     def close(self) -> None:
         async def shut():
-            self._ticker.cancel()
-            for s in list(self._streams.values()):
-                if s.task is not None:
-                    s.task.cancel()
+            # every task of the fleet's loop (streams, joins, probes, weights loads) ends here,
+            # before the client closes: none fails on a closed connection and takes a server down
+            self.fleet.closing = True
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._client.aclose()
         try:
             asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=10)
@@ -209,7 +212,7 @@ class RemoteRollout:
 
     def _dispatch(self) -> None:
         with self._cv:
-            while self._queue:
+            while self._queue and not self.fleet.closing:
                 room = [v for v in self.fleet.ready(self.version) if v.active < v.capacity]
                 if not room:
                     return
