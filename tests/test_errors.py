@@ -9,7 +9,7 @@ from async_rl.errors import RunFailure, UsageError
 
 # control flow inside the package, never shown to a user
 # internal: raised and answered inside their module (a 400, a server taken down, a 503)
-INTERNAL = {"Stopped", "Conflict", "GaveUp", "Damaged", "_Interrupt", "_TooLarge", "_ConnectCancelled", "_Garbage",
+INTERNAL = {"Stopped", "Conflict", "GaveUp", "Damaged", "_Interrupt", "_TooLarge", "_ConnectCancelled", "_Garbage", "LoadFailed",
             "BadRequest", "TransferError"}
 
 

@@ -23,10 +23,6 @@ import numpy as np
 NULL_PAGE = 0
 
 
-class PoolShort(Exception):
-    """Raised by `need` where the pool cannot hold what is asked, even empty."""
-
-
 class PagePool:
     def __init__(self, n_pages: int, page_size: int):
         if n_pages < 2 or page_size < 1:
