@@ -4,7 +4,9 @@ into vLLM in place (with LoRA: each version's adapters by name, `/v1/load_lora_a
 trains on both; the vLLM server is SIGKILLed mid-run and its samples continue on the built-in
 server; every prompt is trained once and `async-rl audit` passes.
 Run by `make test-vllm` (skipped without vLLM)."""
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,7 +49,9 @@ class VLLMServer:
             cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank)), "--max-loras", "4"]
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=log.parent, env=env)
+        # a session of its own: its engine core is a process of its own, killed with it
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=log.parent, env=env,
+                                     start_new_session=True)
 
     def ready(self, timeout: float = 600) -> "VLLMServer":
         end = time.monotonic() + timeout
@@ -62,7 +66,12 @@ class VLLMServer:
         pytest.fail("vllm serve did not start:\n" + Path(self.log.name).read_text()[-3000:])
 
     def kill(self) -> bool:
-        return kill9(self.proc)
+        """SIGKILLs the server and its engine core (a machine gone); True if the kill ended it."""
+        alive = self.proc.poll() is None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        return alive and self.proc.returncode == -signal.SIGKILL
 
     def completions(self) -> int:
         """Generation requests it answered (its access log's lines)."""
