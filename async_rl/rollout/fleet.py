@@ -20,7 +20,6 @@ import re
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from async_rl.config import ConfigError
 from async_rl.rollout import transfer, weights
@@ -48,7 +47,6 @@ class Server:
     pushing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weights load at a time
     kind: str = "async-rl"  # async-rl | vllm (a stock `vllm serve` with the worker extension)
     model: str = "async-rl"  # the model name its completions requests carry (LoRA on vLLM: the adapter's)
-    base: str = ""  # vLLM: the checkpoint's model name; LoRA adapters are named besides it
     adapters: list = field(default_factory=list)  # vLLM + LoRA: adapter names loaded, oldest first
 
 
@@ -216,7 +214,7 @@ class Fleet:
         if models[0].get("owned_by") != "vllm":
             return "it answers neither /v1/fleet/info (async-rl serve) nor as a vLLM server"
         s.kind, s.model = "vllm", str(models[0].get("id"))
-        s.base, s.adapters = s.model, []
+        s.adapters = []
         e, hf_path = self.cfg.engine, self.cfg.model.hf_path
         why = ("run.determinism: vLLM's tokens are not bit-identical to the built-in engine's" if self.cfg.run.determinism
                else "a LoRA run's adapters are read from run.dir by a vLLM server: it must be a local folder they share"
@@ -347,7 +345,7 @@ class Fleet:
             storage.move(tmp, out)
         for name in sorted(n for n in storage.listdir(self.dir) if PEFT_DIR.fullmatch(n))[:-KEEP_VERSIONS]:
             storage.remove_tree(storage.run_path(self.dir) / name)
-        return version, str(Path(out).resolve())
+        return version, str(out.resolve())
 
     async def push_all(self) -> None:
         """Every ready server loads the newest version."""
