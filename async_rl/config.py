@@ -90,8 +90,7 @@ class DataConfig:
             _check(self.num_records >= 0, "data.num_records", self.num_records, "must be >= 0")
         _check(self.num_epochs > 0, "data.num_epochs", self.num_epochs, "must be > 0")
         _check(self.min_digits >= 1, "data.min_digits", self.min_digits, "must be >= 1")
-        _check(self.max_digits >= self.min_digits, "data.max_digits", self.max_digits,
-               f"must be >= data.min_digits ({self.min_digits})")
+        _check(self.max_digits >= self.min_digits, "data.max_digits", self.max_digits, f"must be >= data.min_digits ({self.min_digits})")
         _one_of("data.on_bad_record", self.on_bad_record, ("error", "skip"))
 
 @dataclass(frozen=True)
@@ -150,8 +149,7 @@ class ModelConfig:
             _check(getattr(self, k) >= 0, f"model.{k}", getattr(self, k), "must be > 0")
         _check(self.vocab_size >= 0, "model.vocab_size", self.vocab_size, "must be >= 0")
         if all(getattr(self, k) for k in SHAPE_FIELDS):  # an unset shape is read from hf_path or refused by Config
-            _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
-                   f"must divide model.n_heads ({self.n_heads})")
+            _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads, f"must divide model.n_heads ({self.n_heads})")
             if self.head_dim == 0:
                 _check(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
                        f"must divide model.d_model ({self.d_model}) when model.head_dim=0")
@@ -182,14 +180,12 @@ class ModelConfig:
         gemma_only = ("sliding_window", "global_every", "rope_local_theta", "query_pre_attn_scalar",
                       "final_logit_softcap")
         for k in gemma_only:
-            _check(self.gemma or not getattr(self, k), f"model.{k}", getattr(self, k),
-                   "needs model.gemma=true (only Gemma 3 has it here)")
+            _check(self.gemma or not getattr(self, k), f"model.{k}", getattr(self, k), "needs model.gemma=true (only Gemma 3 has it here)")
         _check(bool(self.sliding_window) == bool(self.global_every), "model.global_every", self.global_every,
                f"must be set together with model.sliding_window ({self.sliding_window})")
         _check(not self.rope_local_theta or self.sliding_window, "model.rope_local_theta", self.rope_local_theta,
                "needs model.sliding_window (it is the local layers' base)")
-        _check(not (self.gemma and self.learned_positions), "model.learned_positions", self.learned_positions,
-               "must be 0 with model.gemma")
+        _check(not (self.gemma and self.learned_positions), "model.learned_positions", self.learned_positions, "must be 0 with model.gemma")
 
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: True where attention is sliding-window (local)."""
@@ -210,6 +206,9 @@ class EngineConfig:
     top_p: float = 1.0  # nucleus mass kept; 1 = off
     steps_per_call: int = 8  # decode steps per engine call (one dispatch and host sync per K tokens)
     prefill_rows: int = 32  # sequences per batched prefill call (deterministic runs: 1), rows
+    kv_layout: str = "slots"  # builtin: slots (one contiguous KV block per slot) | paged (a page pool, group prompts shared)
+    page_size: int = 16  # paged: tokens per KV page
+    kv_pool_tokens: int = 0  # paged: tokens of KV the pool holds; 0 = every slot at full length (never evicts)
     backend: str = "builtin"  # builtin | vllm (in-process vLLM on model.hf_path; the [vllm] extra) | remote (servers)
     servers: str = ""  # remote: generation servers, comma-separated http:// URLs (`async-rl serve`)
     servers_file: str = ""  # remote: a file of server URLs, one per line, re-read every few seconds
@@ -221,23 +220,19 @@ class EngineConfig:
     vllm_enforce_eager: bool = False  # vllm: no torch.compile/graph capture (faster start, slower steps)
 
     def __post_init__(self):
-        _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes",
-               self.max_concurrent_decodes, "must be > 0")
+        _check(self.max_concurrent_decodes > 0, "engine.max_concurrent_decodes", self.max_concurrent_decodes, "must be > 0")
         _check(self.max_prompt_len > 0, "engine.max_prompt_len", self.max_prompt_len, "must be > 0")
-        _check(self.tensor >= 1, "engine.tensor", self.tensor, "must be >= 1")
-        _check(self.temperature >= 0, "engine.temperature", self.temperature, "must be >= 0")
-        _check(self.top_k >= 0, "engine.top_k", self.top_k, "must be >= 0")
         _check(0 < self.top_p <= 1, "engine.top_p", self.top_p, "must be in (0, 1]")
-        _check(self.steps_per_call >= 1, "engine.steps_per_call", self.steps_per_call, "must be >= 1")
-        _check(self.prefill_rows >= 1, "engine.prefill_rows", self.prefill_rows, "must be >= 1")
         _one_of("engine.backend", self.backend, ("builtin", "vllm", "remote"))
+        _one_of("engine.kv_layout", self.kv_layout, ("slots", "paged"))
+        for k, least in (("tensor", 1), ("steps_per_call", 1), ("prefill_rows", 1), ("page_size", 1),
+                         ("vllm_cpu_kv_cache_gib", 1), ("temperature", 0), ("top_k", 0), ("kv_pool_tokens", 0)):
+            _check(getattr(self, k) >= least, f"engine.{k}", getattr(self, k), f"must be >= {least}")
         _check(self.health_timeout_s > 0, "engine.health_timeout_s", self.health_timeout_s, "must be > 0")
         _one_of("engine.weights_transport", self.weights_transport, ("file", "jax"))
         _check(self.backend != "remote" or bool(self.servers or self.servers_file or self.servers_dns), "engine.backend",
                self.backend, "remote needs engine.servers, engine.servers_file or engine.servers_dns")
-        _check(0 < self.gpu_memory_utilization < 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization,
-               "must be in (0, 1)")
-        _check(self.vllm_cpu_kv_cache_gib >= 1, "engine.vllm_cpu_kv_cache_gib", self.vllm_cpu_kv_cache_gib, "must be >= 1")
+        _check(0 < self.gpu_memory_utilization < 1, "engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1)")
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -478,6 +473,13 @@ class Config:
             _check(self.engine.tensor == 1, "engine.tensor", self.engine.tensor, "engine.backend=vllm runs on one device here")
             _check(self.learner.lora_rank <= 512, "learner.lora_rank", self.learner.lora_rank,
                    "must be <= 512 with engine.backend=vllm (vLLM's largest max_lora_rank)")
+        e, width = self.engine, self.engine.max_prompt_len + self.rollout.max_new_tokens
+        if e.kv_layout == "paged" and e.kv_pool_tokens:  # one sequence's pages and the one a group's sample copies
+            seq = (-(-width // e.page_size) + 1) * e.page_size
+            _check(e.kv_pool_tokens >= seq, "engine.kv_pool_tokens", e.kv_pool_tokens,
+                   f"must hold one sequence of max_prompt_len + max_new_tokens plus a page ({seq} tokens)")
+            _check(not self.run.determinism or e.kv_pool_tokens >= seq * e.max_concurrent_decodes, "engine.kv_pool_tokens",
+                   e.kv_pool_tokens, f"run.determinism needs a pool that never evicts ({seq * e.max_concurrent_decodes} tokens, or 0)")
         if self.rollout.env:
             _check(not self.run.determinism, "run.determinism", True, "not with rollout.env (env steps finish in any order)")
         if s.name == "in_order":
@@ -496,8 +498,7 @@ class Config:
                "must be >= 2: advantages are normalised within each prompt's group, so a group of one "
                "sample always has advantage 0 and the policy never changes")
         if s.max_buffered_groups:
-            _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups",
-                   s.max_buffered_groups,
+            _check(s.max_buffered_groups >= self.rollout.prompts_per_step, "sampler.max_buffered_groups", s.max_buffered_groups,
                    f"must hold at least one step (rollout.prompts_per_step={self.rollout.prompts_per_step})")
         rows, lc = self.rollout.prompts_per_step * self.rollout.samples_per_prompt, self.learner
         _check(rows % lc.minibatches == 0, "learner.minibatches", lc.minibatches,
@@ -511,7 +512,6 @@ class Config:
         if lc.overlong == "penalty":
             _check(lc.overlong_buffer <= self.rollout.max_new_tokens, "learner.overlong_buffer", lc.overlong_buffer,
                    f"must be <= rollout.max_new_tokens ({self.rollout.max_new_tokens})")
-        width = self.engine.max_prompt_len + self.rollout.max_new_tokens
         # each of a call's steps is unrolled in its compiled program; a slot never has more columns
         _check(self.engine.steps_per_call <= width, "engine.steps_per_call", self.engine.steps_per_call,
                f"must be <= engine.max_prompt_len + rollout.max_new_tokens ({width}), the columns of a slot")

@@ -64,6 +64,7 @@ from async_rl.plan import chips
 from async_rl.rollout.decoding import Requests, generate_all
 from async_rl.rollout.engine import Engine, sample_token, token_key
 from async_rl.rollout.interface import BuiltinRollout
+from async_rl.rollout.paged_engine import PagedEngine
 
 
 def parse_args():
@@ -105,8 +106,10 @@ def parse_args():
 
 
 # the engine's KV-cache layouts: one [L, S, Hkv, T, hd] buffer written in place each step (GPU,
-# CPU), or read-only during a K-step call with its new columns in a block beside it (TPU)
-LAYOUTS = {"stacked": dict(recent=False), "recent": dict(recent=True)}
+# CPU), or read-only during a K-step call with its new columns in a block beside it (TPU), or
+# a pool of 16-token pages shared by every sequence (`engine.kv_layout=paged`, sized to hold every slot)
+LAYOUTS = {"stacked": (Engine, dict(recent=False)), "recent": (Engine, dict(recent=True)),
+           "paged": (PagedEngine, dict(page_size=16))}
 
 
 class Timed(Requests):
@@ -415,8 +418,9 @@ def main():
     if "fair" in parts:
         layouts = {}
         for name in args.layouts:
-            e = Engine(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
-                       seed=args.seed, devices=dev, steps_per_call=k, **sampling, **LAYOUTS[name])
+            cls, kw = LAYOUTS[name]
+            e = cls(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
+                    seed=args.seed, devices=dev, steps_per_call=k, **sampling, **kw)
             layouts[name] = BuiltinRollout(e, e.load_params(params), 0)
         fair(args, st, graphdef, rs, p, n_new, s, k, layouts)
     if "recompute" in parts:

@@ -153,3 +153,15 @@ def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, content
     err = capsys.readouterr().err
     assert err.startswith(f"error: --config={str(p)!r}: {needle}") and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["engine.kv_layout=pages"], "engine.kv_layout='pages': must be one of slots, paged"),
+    (["engine.kv_layout=paged", "engine.page_size=4", "engine.kv_pool_tokens=16"],
+     "engine.kv_pool_tokens=16: must hold one sequence of max_prompt_len + max_new_tokens plus a page (20 tokens)"),
+    (["engine.kv_layout=paged", "engine.page_size=4", "engine.kv_pool_tokens=100", "run.determinism=true"],
+     "engine.kv_pool_tokens=100: run.determinism needs a pool that never evicts (1280 tokens, or 0)"),
+])
+def test_a_paged_pool_too_small_is_refused_with_its_size(overrides, needle):
+    with pytest.raises(C.ConfigError, match=re.escape(needle)):
+        C.load("configs/tiny.yaml", overrides)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from async_rl.config import ModelConfig
-from async_rl.model import attention
+from async_rl.model import attention, paged_attention
 from async_rl.model import lora as lora_mod
 from async_rl.model.sharding import is_var as _is_var
 
@@ -537,3 +537,33 @@ class Transformer(nnx.Module):
         # [:, rows, :, cols] puts the indexed (row) axis first: updates are [B, L, Hkv, hd]
         write = lambda c, new: c.at[:, rows, :, cols_B].set(new.swapaxes(0, 1).astype(c.dtype))
         return self._logits(x[:, 0]), {"k": write(cache["k"], k_LxBxGxD), "v": write(cache["v"], v_LxBxGxD)}
+
+    def decode_paged(self, tokens_B, positions_B, cols_B, pool: KVCache, table_BxW, *, impl: str = "xla",
+                     unroll: bool | int = 1):
+        """`decode` over a paged pool (`model.paged_attention`): row b's token is its
+        `positions_B[b]`-th, its k/v is written at that position of the pages `table_BxW[b]`
+        names, and it attends positions 0 .. positions_B[b]. `cols_B`: its engine column
+        (learned position embeddings). Pool k/v: [n_layers, Hkv, pages, page_size, hd].
+        Returns (logits [B, V] fp32, pool with every layer's new k/v written)."""
+        lens_B = positions_B + 1
+        local_L, w = self._local_L(), self.cfg.sliding_window
+        x = self._embed(tokens_B[:, None], cols_B[:, None])
+        b = tokens_B.shape[0]
+
+        def body(carry, block, i):
+            x, pool = carry
+            local = None if local_L is None else local_L[i]
+            q, k, v = block.qkv(x, positions_B[:, None], pin=True, local=local)
+            p = pool["k"].shape[3]
+            page_B = jnp.take_along_axis(table_BxW, (positions_B // p)[:, None], axis=1)[:, 0]
+            # scalar, page and offset indices split by a slice: updates are [B, Hkv, hd]
+            i = jnp.asarray(i)  # an index array: the updates' axes are [B, Hkv, hd] however it came
+            put = lambda c, new: c.at[i, :, page_B, positions_B % p].set(new[:, 0].astype(c.dtype))  # noqa: E731
+            pool = {"k": put(pool["k"], k), "v": put(pool["v"], v)}
+            window = 0 if local is None else jnp.where(local, w, 0)
+            out = paged_attention.decode(q[:, 0], pool["k"], pool["v"], lens_B, table_BxW, window=window,
+                                         impl=impl, layer=i)
+            return (block.finish(x, out.reshape(b, 1, -1)), pool), None
+
+        (x, pool), _ = self._scan(body, (x, pool), jnp.arange(self.cfg.n_layers), unroll=unroll)
+        return self._logits(x[:, 0]), pool

@@ -91,7 +91,9 @@ class Rates:
         if stats.env_submitted:  # multi-turn episodes: env steps asked for and recorded (cumulative)
             out["rollout/env_steps"], out["rollout/env_requested"] = stats.env_steps, stats.env_submitted
             out["rollout/env_observations_cut"] = stats.env_cut
-        if getattr(stats, "moved", 0):  # a fleet: samples continued on another server (cumulative)
+        if getattr(stats, "evictions", 0):  # a paged engine: samples evicted or not admitted (cumulative)
+            out["rollout/evictions"] = stats.evictions
+        if getattr(stats, "moved", 0):  # a fleet or a paged engine: samples continued later or elsewhere (cumulative)
             out["rollout/samples_moved"] = stats.moved
         if getattr(stats, "prefix_cached", 0):  # vLLM: prompt tokens read from its prefix cache (cumulative)
             out["rollout/prefix_cached_tokens"] = stats.prefix_cached

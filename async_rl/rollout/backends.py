@@ -27,7 +27,12 @@ def make_engine(cfg: C.Config, graphdef, vocab_size: int, *, slots: int | None =
               seed=cfg.run.seed, devices=devices, steps_per_call=e.steps_per_call, tensor=e.tensor,
               windows=not cfg.run.determinism)
     kw.update(sampling or {}, **extra)
-    return Engine(cfg.model if model_cfg is None else model_cfg, graphdef, vocab_size=vocab_size, **kw)
+    model_cfg = cfg.model if model_cfg is None else model_cfg
+    if e.kv_layout == "paged":
+        from async_rl.rollout.paged_engine import PagedEngine
+        return PagedEngine(model_cfg, graphdef, vocab_size=vocab_size, page_size=e.page_size,
+                           pool_tokens=e.kv_pool_tokens, **kw)
+    return Engine(model_cfg, graphdef, vocab_size=vocab_size, **kw)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,8 @@ class Prefix:
     """Prefilled rows (`prefill_many`) and, on the host, the column each row's next token goes to."""
     arrays: PrefixArrays
     next_cols_B: np.ndarray  # int32
+    starts_B: np.ndarray | None = None  # int32: each row's first valid column
+    key: int = 0  # names the prefill among the engine's (a paged engine keeps its rows' pages under it)
 
     def block_until_ready(self) -> Prefix:
         jax.block_until_ready(self.arrays)
@@ -215,10 +217,11 @@ class Engine:
 
         rep = NamedSharding(self.mesh, PS())
         # Slots are independent rows: they split over the data axis when they divide evenly.
-        data = "data" if slots % self.mesh.shape["data"] == 0 and self.mesh.shape["data"] > 1 else None
+        data = "data" if slots % self.mesh.shape["data"] == 0 and self.mesh.shape["data"] > 1 and self._split_slots \
+            else None
         heads = "tensor" if tensor > 1 else None
         per_slot = NamedSharding(self.mesh, PS(data))
-        cache_sh = NamedSharding(self.mesh, PS(None, data, heads, None, None))  # [L, S, Hkv, T, hd]
+        cache_sh = self._cache_sharding(data, heads)
         prefix_cache = NamedSharding(self.mesh, PS(None, None, heads, None, None))
         self._replicated = rep
         self._state_sharding = DecodeArrays(
@@ -235,6 +238,7 @@ class Engine:
                                donate_argnums=1)
         self._out_sh = (st, NamedSharding(self.mesh, PS(None, data)))  # state, [K, S] tokens and logprobs
         self._decoders: dict[tuple[int, bool, bool], Any] = {}  # (window, multi-step, last forward) -> decode
+        self._prefills = 0  # prefills made (names each)
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
 
     def _decoder(self, window: int, multi: bool, last_forward: bool = True):
@@ -245,9 +249,20 @@ class Engine:
         if key not in self._decoders:
             body = self._generate_steps_impl if multi else self._generate_one_impl
             st, many = self._out_sh
+            extra = (self._replicated,) * self._decode_extra
             self._decoders[key] = jax.jit(functools.partial(body, window=window, last_forward=last_forward),
-                                          in_shardings=(None, st), out_shardings=(st, many, many), donate_argnums=1)
+                                          in_shardings=(None, st, *extra), out_shardings=(st, many, many),
+                                          donate_argnums=1)
         return self._decoders[key]
+
+    _split_slots = True  # slots split over the data axis (a paged pool is one, every slot's)
+    _decode_extra = 0  # arguments a decode takes after the state (a paged engine's page table)
+
+    def _cache_sharding(self, data, heads) -> NamedSharding:
+        return NamedSharding(self.mesh, PS(None, data, heads, None, None))  # [L, S, Hkv, T, hd]
+
+    def _init_cache(self) -> KVCache:
+        return init_cache(self.model_cfg, self.max_concurrent_decodes, self.width)
 
     # ---- weights -------------------------------------------------------------------
     def param_dtype(self, v) -> Any:
@@ -372,14 +387,16 @@ class Engine:
         c0, w = p - pb, pb + nb
         tokens, positions, valid = (np.zeros((b, w), np.int32), np.zeros((b, w), np.int32),
                                     np.zeros((b, w), bool))
-        next_cols = np.full(b, p, np.int32)
+        next_cols, starts = np.full(b, p, np.int32), np.full(b, p - 1, np.int32)
         for i, (prompt, done) in enumerate(rows + [(np.zeros(1, np.int32), np.zeros(0, np.int32))] * (b - len(rows))):
             start, pos, ok = layout(prompt.size, p, self.width, n_filled=prompt.size + done.size)
             tokens[i, start - c0:pb] = prompt
             tokens[i, pb:pb + done.size] = done
             positions[i], valid[i] = pos[c0:c0 + w], ok[c0:c0 + w]
-            next_cols[i] = p + done.size
-        return Prefix(self._prefill(params, tokens, positions, valid, next_cols, np.int32(c0)), next_cols)
+            next_cols[i], starts[i] = p + done.size, start
+        self._prefills += 1
+        return Prefix(self._prefill(params, tokens, positions, valid, next_cols, np.int32(c0)), next_cols, starts,
+                      self._prefills)
 
     def _check_seq(self, prompt_tokens, completion):
         prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
@@ -498,7 +515,7 @@ class Engine:
     def _init_impl(self) -> DecodeArrays:
         s = self.max_concurrent_decodes
         zeros = jnp.zeros((s,), jnp.int32)
-        return DecodeArrays(cache=init_cache(self.model_cfg, s, self.width),
+        return DecodeArrays(cache=self._init_cache(),
                            logits_SxV=jnp.zeros((s, self.vocab_size), jnp.float32), cols_S=zeros,
                            starts_S=zeros, ordinals_S=zeros, samples_S=zeros,
                            active_S=jnp.zeros((s,), bool))
@@ -518,17 +535,12 @@ class Engine:
             def put(c, p):  # c [L, S, Hkv, T, hd] <- p [L, B, Hkv, W, hd]
                 r = jax.lax.dynamic_index_in_dim(p, row, axis=1).astype(c.dtype)
                 return jax.lax.dynamic_update_slice(c, r, (0, slot, 0, prefix.col0, 0))
-            return DecodeArrays(cache=jax.tree.map(put, st.cache, prefix.cache),
-                               logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
-                               cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
-                               starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),
-                               ordinals_S=st.ordinals_S.at[slot].set(ordinals_B[i]),
-                               samples_S=st.samples_S.at[slot].set(samples_B[i]),
-                               active_S=st.active_S.at[slot].set(True))
+            st = dataclasses.replace(st, cache=jax.tree.map(put, st.cache, prefix.cache))
+            return seat(prefix, st, slot, row, ordinals_B[i], samples_B[i])
         return jax.lax.fori_loop(0, n, one, st)  # in place in the donated state, one row at a time
 
     def _generate_impl(self, params, st: DecodeArrays, window: int, last_forward: bool = True,
-                       recent: Recent | None = None):
+                       recent: Recent | None = None, table=None):
         """Samples every slot's token, then (`last_forward`) runs it through the model for the
         next column's logits and writes its k/v (into `recent` in a multi-step call); without,
         the slot's logits and cache stay. Returns (state, recent, tokens_S, logprobs_S)."""
@@ -540,6 +552,11 @@ class Engine:
             return new, recent, tokens_S, logprobs_S
         # An inactive (or finished and not yet freed) slot must not write out of bounds.
         cols_S = jnp.minimum(st.cols_S, self.width - 1)
+        if table is not None:  # a paged pool: rows not active write and read only the null page
+            pos_S = jnp.where(st.active_S, cols_S - st.starts_S, 0)
+            logits_SxV, pool = nnx.merge(self.graphdef, params).decode_paged(
+                tokens_S, pos_S, cols_S, st.cache, table, impl=self.paged_impl, unroll=self.unroll)
+            return dataclasses.replace(new, cache=pool, logits_SxV=logits_SxV), None, tokens_S, logprobs_S
         logits_SxV, written = nnx.merge(self.graphdef, params).decode(
             tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window, unroll=self.unroll,
             recent=recent)
@@ -547,15 +564,15 @@ class Engine:
             return dataclasses.replace(new, logits_SxV=logits_SxV), written, tokens_S, logprobs_S
         return dataclasses.replace(new, cache=written, logits_SxV=logits_SxV), None, tokens_S, logprobs_S
 
-    def _generate_one_impl(self, params, st: DecodeArrays, window: int, last_forward: bool = True):
-        st, _, tokens_S, logprobs_S = self._generate_impl(params, st, window, last_forward)
+    def _generate_one_impl(self, params, st: DecodeArrays, table=None, *, window: int, last_forward: bool = True):
+        st, _, tokens_S, logprobs_S = self._generate_impl(params, st, window, last_forward, table=table)
         return st, tokens_S[None], logprobs_S[None]
 
-    def _generate_steps_impl(self, params, st: DecodeArrays, window: int, last_forward: bool = True):
+    def _generate_steps_impl(self, params, st: DecodeArrays, table=None, *, window: int, last_forward: bool = True):
         """K steps; with `self.recent` over a read-only cache, each step's new k/v going to a
         K-column `Recent` block written into the cache once at the end (`model.Recent`)."""
         recent = None
-        if self.recent:
+        if self.recent and table is None:
             k_sh = self._state_sharding.cache["k"]  # [L, S, Hkv, K, hd] splits as the cache does
             recent = init_recent(st.cache, self.steps_per_call, st.cols_S)
             recent = dataclasses.replace(recent, k=jax.lax.with_sharding_constraint(recent.k, k_sh),
@@ -563,14 +580,24 @@ class Engine:
 
         def step(carry, _):
             st, recent = carry
-            st, recent, tok, lp = self._generate_impl(params, st, window, recent=recent)
+            st, recent, tok, lp = self._generate_impl(params, st, window, recent=recent, table=table)
             return (st, recent), (tok, lp)
         (st, recent), (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, (st, recent), None,
                                                                 length=self.steps_per_call - 1, unroll=True)
-        st, recent, tok_S, lp_S = self._generate_impl(params, st, window, last_forward, recent)
+        st, recent, tok_S, lp_S = self._generate_impl(params, st, window, last_forward, recent, table)
         if recent is not None:
             st = dataclasses.replace(st, cache=write_recent(st.cache, recent))
         return st, jnp.concatenate([tokens_KxS, tok_S[None]]), jnp.concatenate([logprobs_KxS, lp_S[None]])
 
     def _free_impl(self, st: DecodeArrays, free_S) -> DecodeArrays:
         return dataclasses.replace(st, active_S=st.active_S & ~free_S)
+
+
+def seat(prefix: PrefixArrays, st: DecodeArrays, slot, row, ordinal, sample) -> DecodeArrays:
+    """`st` with prefix row `row`'s next-token logits, columns and sampling key in `slot`, active
+    (its k/v is the caller's to place)."""
+    return dataclasses.replace(st, logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
+                               cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
+                               starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),
+                               ordinals_S=st.ordinals_S.at[slot].set(ordinal),
+                               samples_S=st.samples_S.at[slot].set(sample), active_S=st.active_S.at[slot].set(True))

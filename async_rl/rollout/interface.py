@@ -100,24 +100,57 @@ class BuiltinRollout:
         params = self.params
         inserts: dict[int, tuple[object, list]] = {}  # id(prefix) -> (prefix, [(slot, row, ordinal, sample)])
         conts = [s for s in starts if s.tokens]
+        once = []  # continuations' prefills: no later start shares them
+        conts = self._admitted(conts)
         for batch in self.batches(conts):
             prefix = self._prefill(params, [(s.prompt, np.asarray(s.tokens, np.int32)) for s in batch])
             inserts[id(prefix)] = (prefix, [(s.slot, row, s.ordinal, s.sample) for row, s in enumerate(batch)])
+            once.append(prefix)
         fresh = [s for s in starts if not s.tokens]
         stale = {s.ordinal: s.prompt for s in fresh if self._prefixes.get(s.ordinal, (None,))[0] != self.version}
         for batch in self.batches(list(stale.items())):
             prefix = self._prefill(params, [(prompt, None) for _, prompt in batch])
             for row, (ordinal, _) in enumerate(batch):
+                self._drop(self._prefixes.get(ordinal))
                 self._prefixes[ordinal] = (self.version, prefix, row)
         for s in fresh:
             _, prefix, row = self._prefixes[s.ordinal]
             inserts.setdefault(id(prefix), (prefix, []))[1].append((s.slot, row, s.ordinal, s.sample))
         for prefix, todo in inserts.values():
             self.decode_state = self.engine.insert_many(prefix, self.decode_state, todo)
+        for prefix in once:
+            self._drop((None, prefix, 0))
+
+    def _admitted(self, conts: list[Start]) -> list[Start]:
+        """The continuations a paged engine has room for; the rest are refused before their
+        prefill (their slots come back lost, and they start again later)."""
+        admit = getattr(self.engine, "admit", None)
+        if admit is None or not conts:
+            return conts
+        ok = admit([s.prompt.size + len(s.tokens) for s in conts])
+        refused = [s.slot for s, a in zip(conts, ok) if not a]
+        if refused:
+            self.decode_state = self.engine.refuse(self.decode_state, refused)
+        return [s for s, a in zip(conts, ok) if a]
+
+    @property
+    def evictions(self) -> int:
+        """Samples a paged engine evicted or refused for want of pages (0 for others)."""
+        return getattr(self.engine, "evictions", 0) + getattr(self.engine, "refusals", 0)
 
     def forget(self, ordinals: Sequence[int]) -> None:
         for o in ordinals:
-            self._prefixes.pop(o, None)
+            self._drop(self._prefixes.pop(o, None))
+
+    def _drop(self, entry) -> None:
+        """A prefill no start uses again: a paged engine frees the pages its rows hold once no
+        other group's row of it is kept."""
+        release = getattr(self.engine, "release_prefix", None)
+        if entry is None or release is None:
+            return
+        prefix = entry[1]
+        if not any(p is prefix for _, p, _ in self._prefixes.values()):
+            release(prefix)
 
     def batches(self, items: list) -> list[list]:
         """Deterministic runs prefill one sequence per call, so a result depends on that
@@ -132,11 +165,14 @@ class BuiltinRollout:
     def step(self, live: Sequence[bool]):
         self._free_idle(live)
         self.decode_state, toks, lps = self.engine.generate_steps_async(self.params, self.decode_state)
-        return toks, lps, self.version
+        take = getattr(self.engine, "take_evicted", None)
+        return toks, lps, self.version, tuple(take()) if take else ()
 
     def collect(self, pending) -> Chunk:
-        toks, lps, version = pending
-        return Chunk(np.asarray(toks), np.asarray(lps), version)
+        """Slots a paged engine evicted (or did not admit) come back as lost: their samples
+        continue later from what was recorded."""
+        toks, lps, version, lost = pending
+        return Chunk(np.asarray(toks), np.asarray(lps), version, lost=lost)
 
     def stop(self, slots: Sequence[int]) -> None:
         """Frees slots the engine holds active: the decode window follows the active slots'

@@ -40,6 +40,7 @@ class PumpStats(SlotStats):  # busy_s and calls: the scheduler's
     env_submitted: int = 0  # env steps requested
     env_cut: int = 0  # observations cut to rollout.max_observation_chars/_tokens
     moved: int = 0  # samples whose slot the backend lost (a server went down), continued elsewhere
+    evictions: int = 0  # samples a paged engine evicted or did not admit for want of KV pages (cumulative)
     prefix_cached: int = 0  # prompt tokens the backend took from its prefix cache (vLLM), not computed again
 
 
@@ -257,6 +258,7 @@ class Pump:
         built outside the lock) and queues the samples that ended for their rewards."""
         finished: list[tuple[Group, Sample]] = []
         self.stats.prefix_cached = getattr(self.rollout, "cached_tokens", 0)
+        self.stats.evictions = getattr(self.rollout, "evictions", 0)
         for p in pieces:
             g, si = p.occupant
             s = g.samples[si]

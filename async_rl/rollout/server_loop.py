@@ -44,6 +44,7 @@ class Request:
     emit: Callable[[object], None]
     slot: int | None = None
     ended: bool = False
+    sent: list = field(default_factory=list)  # tokens streamed since its start (an evicted sample continues after them)
     key: bytes = field(init=False)  # the prompt's identity: samples of one ordinal share its prefill
 
     def __post_init__(self):
@@ -245,8 +246,17 @@ class ServerLoop:
                 r.ended = True
                 self._live.discard(r)
             r.emit((p.tokens, p.logprobs, p.versions, finish))
+            r.sent += p.tokens
             if finish:
                 r.emit(None)
+
+    def release(self, occupants: list) -> None:
+        """Samples a paged engine evicted: each continues first in line from what it has sent."""
+        for r in reversed(occupants):
+            self._live.discard(r)
+            if not r.ended:
+                r.done, r.budget, r.sent = r.done + tuple(r.sent), r.budget - len(r.sent), []
+                self._queue.appendleft(r)
 
     def collected(self, calls: int) -> None:
         faults.delay("generate", self.rollout.steps_per_call)

@@ -111,3 +111,41 @@ def test_abort_ends_a_queued_request_at_once(loop):
     loop.resume()
     time.sleep(0.2)
     assert loop.rollout.engine.inserted == []
+
+
+class EvictingEngine(FakeEngine):
+    """Takes slot 0's sample away at its second decode call, as a paged engine short of pages does."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.evicted, self.seqs = 0, [], []
+
+    def prefill_many(self, params, seqs):
+        self.seqs += [(tuple(int(t) for t in p), () if c is None else tuple(int(t) for t in c)) for p, c in seqs]
+        return super().prefill_many(params, seqs)
+
+    def generate_steps_async(self, params, state):
+        self.calls += 1
+        if self.calls == 2 and self.active[0]:
+            self.active[0] = False
+            self.evicted = [0]
+        return super().generate_steps_async(params, state)
+
+    def take_evicted(self):
+        out, self.evicted = self.evicted, []
+        return out
+
+
+def test_an_evicted_sample_continues_after_the_tokens_it_has_streamed():
+    lp = ServerLoop(EvictingEngine(), (2,), log=lambda line: None)
+    lp.start()
+    try:
+        lp.swap(None, 1).result(timeout=10)
+        r, c = _request("a", [1, 2], 0, budget=5)
+        lp.submit(r)
+        assert c.ended.wait(10)
+    finally:
+        lp.close()
+    assert c.items == [([5, 5], [-1.0, -1.0], [1, 1], None), ([5, 5], [-1.0, -1.0], [1, 1], None),
+                       ([5], [-1.0], [1], "length"), None]
+    assert lp.rollout.engine.seqs == [((1, 2), ()), ((1, 2), (5, 5))]  # continued after what it had sent

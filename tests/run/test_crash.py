@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from helpers import checkpoint_steps, kill9, lineage, run_cli, run_text, spawn, wait_for_step, wait_until
+from helpers import checkpoint_steps, kill9, lineage, run_cli, run_jsonl, run_text, spawn, wait_for_step, wait_until
 
 from async_rl.state.audit import audit
 
@@ -86,6 +86,17 @@ def test_crash_staleness_samplers(tmp_path, xla_cache, name):
     final = crash_and_finish(tmp_path, ov, xla_cache, seed=3, short=True)
     assert final["reason"] == "data_exhausted"
     _check_run(tmp_path, staleness_bound=1)
+
+
+@pytest.mark.soak  # CI time; tests/rollout/test_paged_engine.py evicts in CI
+def test_crash_matrix_with_a_paged_pool_too_small_for_its_slots(tmp_path, xla_cache):
+    """The paged engine evicting (its pool holds a quarter of the tokens its slots may take):
+    evicted samples continue from their recorded tokens and every prompt trains exactly once."""
+    ov = [*BASE, "engine.kv_layout=paged", "engine.page_size=4", "engine.kv_pool_tokens=80"]
+    final = crash_and_finish(tmp_path, ov, xla_cache, seed=5, short=True)
+    assert final["reason"] == "data_exhausted"
+    _check_run(tmp_path, staleness_bound=1)
+    assert max(r.get("rollout/evictions", 0) for r in run_jsonl(tmp_path, "metrics.jsonl")) > 0
 
 
 SOAK = [(s, k, p) for s in ("in_order", "fifo", "windowed") for k in (0, 1, 3) for p in (False, True)]

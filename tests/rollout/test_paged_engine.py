@@ -1,0 +1,99 @@
+"""The paged engine (`engine.kv_layout=paged`): the same tokens and logprobs as the slot engine,
+group prompts sharing their pages, and a pool too small for the batch evicting samples that
+continue from their recorded tokens, none lost and none generated twice."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from async_rl.config import ModelConfig
+from async_rl.model.transformer import Transformer
+from async_rl.rollout.decoding import generate_all
+from async_rl.rollout.engine import Engine
+from async_rl.rollout.paged_engine import PagedEngine
+
+V, P, N, EOS = 40, 8, 12, 2
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qkv_bias=True, tie_embeddings=False)
+
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+@pytest.fixture(scope="module")
+def model():
+    graphdef, params = nnx.split(Transformer(CFG, V, rngs=nnx.Rngs(0)))
+    return graphdef, jax.tree.map(lambda x: x * 3.0, params)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rs = np.random.RandomState(0)
+    return [rs.randint(4, V, rs.randint(1, P + 1)).astype(np.int32) for _ in range(7)]
+
+
+def build(graphdef, cls=Engine, cfg=CFG, **kw):
+    return cls(cfg, graphdef, vocab_size=V, slots=4, max_prompt_len=P, max_new_tokens=N, temperature=1.0, top_k=0,
+               top_p=1.0, seed=7, devices=jax.devices()[:1], steps_per_call=3, **kw)
+
+
+def run(engine, params, prompts, caps):
+    return generate_all(engine, engine.load_params(params), prompts, samples=3, eos_id=EOS, max_tokens=caps)
+
+
+def same(a, b, atol=1e-5):
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            np.testing.assert_array_equal(s.tokens, t.tokens)
+            np.testing.assert_allclose(s.logprobs, t.logprobs, atol=atol)
+
+
+@pytest.mark.parametrize("page_size", [1, 5])
+def test_paged_equals_slots_when_the_pool_holds_every_slot(model, prompts, page_size):
+    graphdef, params = model
+    caps = np.random.RandomState(1).randint(1, N + 2, (len(prompts), 3)).tolist()
+    want = run(build(graphdef), params, prompts, caps)
+    paged = build(graphdef, PagedEngine, page_size=page_size)
+    same(run(paged, params, prompts, caps), want)
+    assert paged.evictions == 0
+    paged.pool.check()
+
+
+def test_a_pool_a_quarter_of_what_the_slots_need_evicts_and_loses_nothing(model, prompts):
+    """Evicted samples come back as lost slots and continue from their recorded tokens: the
+    completions equal the slot engine's (keys are per sample and position)."""
+    graphdef, params = model
+    caps = [[N] * 3 for _ in prompts]  # every sample runs long, so the pool runs out
+    want = run(build(graphdef), params, prompts, caps)
+    page = 4
+    need = 4 * (-(-(P + N) // page) + 1) * page
+    paged = build(graphdef, PagedEngine, page_size=page, pool_tokens=need // 4 + page)
+    # an evicted sample's tokens so far are prefilled again, as a whole row: fp32 rounding differs
+    same(run(paged, params, prompts, caps), want, atol=1e-4)
+    assert paged.evictions > 0
+    paged.pool.check()
+
+
+def test_a_group_s_samples_share_their_prompt_s_full_pages(model):
+    graphdef, params = model
+    eng = build(graphdef, PagedEngine, page_size=2)
+    prompt = np.arange(4, 4 + 7, dtype=np.int32)  # 7 tokens: 3 full pages and one partial
+    prefix = eng.prefill(eng.load_params(params), prompt)
+    st = eng.insert_many(prefix, eng.init_decode_state(), [(s, 0, 0, s) for s in range(3)])
+    tables = [eng.pool.pages(s) for s in range(3)]
+    assert tables[0][:3] == tables[1][:3] == tables[2][:3]  # shared, counted
+    assert len({t[3] for t in tables}) == 3  # the partial page is each sample's own
+    assert (eng.pool.refs[tables[0][:3]] == 4).all()  # the row's holder and three samples
+    eng.release_prefix(prefix)
+    eng.free_many(st, range(3))
+    eng.pool.check()
+    assert eng.pool.free == eng.pool.n_pages - 1
+
+
+def test_sliding_window_layers_read_only_their_window(model, prompts):
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, tie_embeddings=False, gemma=True,
+                      qk_norm=True, sliding_window=3, global_every=2)
+    graphdef, params = nnx.split(Transformer(cfg, V, rngs=nnx.Rngs(1)))
+    params = jax.tree.map(lambda x: x * 3.0, params)
+    caps = [[N] * 3 for _ in prompts]
+    same(run(build(graphdef, PagedEngine, cfg, page_size=4), params, prompts, caps),
+         run(build(graphdef, cfg=cfg), params, prompts, caps))
