@@ -101,6 +101,8 @@ class Part:
     error: str = ""
     kv_bytes: int = 0  # engine: the KV cache's share on a chip
     sequences: int = 0  # engine: the sequences its KV cache holds at once (slots)
+    kv_tokens: int = 0  # engine: tokens its KV cache has room for (slots x width, or a pool's pages x page size)
+    seq_tokens: float = 0.0  # engine: tokens of that room a sample of the configured lengths takes (group prompts shared)
     resident_bytes: int = 0  # what stays allocated between this program's runs (state)
     attention: str = ""  # learner: the attention kernel in the compiled step
     mesh: Mesh | None = None  # the devices it was compiled for, as the run lays them out
@@ -134,10 +136,11 @@ class Report:
         the HBM left on its chips holds at the same KV bytes per sequence; bytes read per
         generated token at its slots, summed over its chips), None where not known."""
         ep, lp = self.parts.get("engine"), self.parts.get("learner")
-        if ep is None or ep.error or not ep.sequences or not ep.kv_bytes:
+        if ep is None or ep.error or not ep.sequences or not ep.kv_bytes or not ep.seq_tokens:
             return None, None
         free = self.chip.hbm_bytes - ep.total_bytes - (lp.resident_bytes if lp is not None else 0)
-        most = ep.sequences + max(0, int(free * ep.sequences // ep.kv_bytes))
+        room = ep.kv_tokens + max(0, free) * ep.kv_tokens // ep.kv_bytes
+        most = int(room // ep.seq_tokens)
         chips = ep.mesh.size if ep.mesh is not None else 1
         return most, (ep.bytes_accessed * chips / ep.sequences if ep.bytes_accessed else None)
 
@@ -382,9 +385,14 @@ def _engine_prefill(eng, params):
 
 
 def _decode_call(eng):
-    """The jitted decode of one call at the widest window, with the forward pass after its
-    last token (a call in the middle of a sample)."""
-    return eng._decoder(eng.width, eng.steps_per_call > 1)
+    """The jitted decode of one call at the widest window (a paged engine: its widest page
+    table), with the forward pass after its last token (a call in the middle of a sample)."""
+    return eng._decoder(eng.windows[-1], eng.steps_per_call > 1)
+
+
+def _decode_extra(eng) -> list:
+    """The decode's arguments after the state: a paged engine's page table, every slot's widest."""
+    return [_abstract((eng.max_concurrent_decodes, eng.windows[-1]), jnp.int32, eng._replicated)] * eng._decode_extra
 
 
 def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool = True) -> Part:
@@ -392,7 +400,7 @@ def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool
     eng, params, state = _engine(cfg, vocab, devices)
     t0 = time.perf_counter()
     try:
-        decode = _decode_call(eng).lower(params, state).compile()
+        decode = _decode_call(eng).lower(params, state, *_decode_extra(eng)).compile()
         prefill = _engine_prefill(eng, params)
     except Exception as e:
         msg = str(e)
@@ -408,10 +416,12 @@ def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool
     total = dm.argument_size_in_bytes + temp + max(dm.output_size_in_bytes - dm.alias_size_in_bytes, 0)
     part = Part("engine", total <= chip.hbm_bytes, compile_s, params_bytes=w, temp_bytes=temp,
                 other_bytes=total - w - st - temp, total_bytes=total, kv_bytes=kv, resident_bytes=w + st, mesh=eng.mesh,
-                sequences=eng.max_concurrent_decodes)
+                sequences=eng.max_concurrent_decodes, kv_tokens=eng.kv_tokens(),
+                seq_tokens=eng.tokens_per_sample(cfg.rollout.samples_per_prompt))
     if cost:
         # 2 and 3 layers: with 1, fusion differs enough to skew the per-layer difference
-        two, three = (np.array(_cost(_decode_call(eng_l).lower(p_l, s_l).compile())) / eng_l.steps_per_call
+        two, three = (np.array(_cost(_decode_call(eng_l).lower(p_l, s_l, *_decode_extra(eng_l)).compile()))
+                      / eng_l.steps_per_call
                       for eng_l, p_l, s_l in (_engine(cfg, vocab, devices, n, unroll=True) for n in (2, 3)))
         part.flops, part.bytes_accessed = (float(v) for v in two + (cfg.model.n_layers - 2) * (three - two))
     return part
@@ -535,7 +545,8 @@ def format_engine(rep: Report, ep: Part) -> list[str]:
                      f"{ep.bytes_accessed / rep.chip.hbm_bandwidth * 1e3:.1f} ms")
     most, per_token = rep.engine_capacity()
     if most is not None:
-        lines.append(f"  sequences: {ep.sequences} slots of {_si(ep.kv_bytes / ep.sequences, 'B')} KV per chip each; "
+        lines.append(f"  sequences: {ep.sequences} slots, {_si(ep.kv_bytes * ep.seq_tokens / ep.kv_tokens, 'B')} KV per "
+                     "chip a sample of these lengths; "
                      f"at most {most} fit these lengths" + (f"; {_si(per_token, 'B')} read per generated token "
                                                             "(all chips)" if per_token else ""))
     return lines

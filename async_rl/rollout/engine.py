@@ -502,6 +502,14 @@ class Engine:
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self.free_many(decode_state, [slot])
 
+    def kv_tokens(self) -> int:
+        """Tokens the KV cache has room for."""
+        return self.max_concurrent_decodes * self.width
+
+    def tokens_per_sample(self, group: int) -> float:
+        """Tokens of that room one sample of the configured lengths takes (a slot: all its columns)."""
+        return float(self.width)
+
     def compile_counts(self) -> dict[str, int]:
         """Compiled executables per entry point: prefill and insert one per bucket shape,
         generate one per decode window used, with and without its last forward pass (all

@@ -211,6 +211,15 @@ class PagedEngine(Engine):
         most = max((len(self.pool.pages(int(s))) for s in np.flatnonzero(host.active_S)), default=1)
         return bucket(max(most, 1), self.windows)
 
+    def kv_tokens(self) -> int:
+        return self.pool.n_pages * self.page_size
+
+    def tokens_per_sample(self, group: int) -> float:
+        """A sample of the configured lengths: its completion's pages and its prompt's partial page
+        of its own, its prompt's whole pages shared by its `group`."""
+        whole = self.max_prompt_len // self.page_size
+        return self.page_size * (self.max_pages - whole + whole / group)
+
     # ---- jitted body ----------------------------------------------------------------------
 
     def _insert_paged_impl(self, prefix: PrefixArrays, st: DecodeArrays, rows_BxW, copies_Cx2, slots_S, rows_S,

@@ -142,6 +142,25 @@ def test_engine_part_splits_weights_and_cache_and_counts_every_layer(monkeypatch
     assert js["engine_max_sequences"] == 8 + int(free * 8 // ep.kv_bytes) > 8
 
 
+@pytest.mark.slow
+def test_a_paged_engine_counts_a_sample_by_the_pages_it_holds(monkeypatch):
+    """The paged pool: a sample of the configured lengths takes its completion's pages and one
+    prompt page of its own; its prompt's whole pages are shared by its group of 4."""
+    cfg = cfg_of("engine.kv_layout=paged", "engine.page_size=4", "engine.max_concurrent_decodes=8")
+    learner_part = PL.learner_part
+    monkeypatch.setattr(PL, "learner_part", lambda *a, cost=True: learner_part(*a, cost=False))
+    rep = PL.plan(cfg, "cpu:4")
+    ep = rep.parts["engine"]
+    m = cfg.model
+    assert ep.fits and ep.kv_tokens == (8 * (16 // 4 + 1) + 1) * 4  # a page per slot spare, and the null page
+    assert ep.kv_bytes == 2 * m.n_layers * m.n_kv_heads * ep.kv_tokens * m.resolved_head_dim * 4  # fp32, not split
+    assert ep.seq_tokens == 4 * (2 + 2 / 4) < 16  # a slot would take all 16 columns
+    free = rep.chip.hbm_bytes - ep.total_bytes - rep.parts["learner"].resident_bytes
+    most = rep.as_json()["engine_max_sequences"]
+    assert most == int((ep.kv_tokens + free * ep.kv_tokens // ep.kv_bytes) // ep.seq_tokens) > 8
+    assert "KV per chip a sample of these lengths" in PL.format_engine(rep, ep)[-1]
+
+
 def test_tpu_decode_reads_the_q_and_k_kernels_where_they_lie():
     # Compiled for a TPU (needs libtpu): with RoPE's half-rotation folded into the q and k
     # kernels, every decode step wrote a transposed copy of both (1.31x / 1.52x the bytes of

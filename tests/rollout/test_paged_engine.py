@@ -97,3 +97,21 @@ def test_sliding_window_layers_read_only_their_window(model, prompts):
     caps = [[N] * 3 for _ in prompts]
     same(run(build(graphdef, PagedEngine, cfg, page_size=4), params, prompts, caps),
          run(build(graphdef, cfg=cfg), params, prompts, caps))
+
+
+def test_with_one_table_width_a_sample_is_bit_identical_whatever_its_slot_pages_and_neighbours(model, prompts):
+    """run.determinism reads every page a sequence may hold (`windows=False`): a sample's logprobs
+    do not depend on which slot and pages it got or what else ran (the property resume relies on)."""
+    graphdef, params = model
+    eng = build(graphdef, PagedEngine, page_size=4, windows=False)
+    p = eng.load_params(params)
+    caps = [[N] * 3 for _ in prompts]
+    a = generate_all(eng, p, prompts, samples=3, eos_id=EOS, max_tokens=caps)
+    order = list(range(len(prompts)))[::-1]
+    b = generate_all(eng, p, [prompts[i] for i in order], samples=3, eos_id=EOS, ordinals=order,
+                     max_tokens=[caps[i] for i in order])
+    b = [b[order.index(i)] for i in range(len(prompts))]
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            np.testing.assert_array_equal(s.tokens, t.tokens)
+            np.testing.assert_array_equal(s.logprobs, t.logprobs)
