@@ -10,6 +10,8 @@ kernels with one contract:
   pallas  `jax.experimental.pallas.ops.tpu.paged_attention` (TPU; run in interpret mode on
           CPU by the tests): reads only the pages below each sequence's length. It has no
           sliding window: a windowed layer (Gemma 3's local ones) takes the xla path.
+  pallas_gpu  `jax.experimental.pallas.ops.gpu.paged_attention` (Triton; `interpret` runs it on
+          CPU in the tests): the same contract and layout, reads only held pages; no window.
 Contract: sequence s sees keys 0 .. lens_S[s] - 1 (its own newest key written already), and
 with a sliding `window` W > 0 only the last W of them; scores q.k / sqrt(hd) in fp32, softmax
 in fp32. A sequence with length 0 gets some finite output, never read. Which pages a
@@ -18,6 +20,7 @@ sequence holds is `rollout.kv_pages`'; the engine's own cache layout is `model.t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 
 from async_rl.model.attention import MASK_VALUE
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "pallas_gpu")
 
 
 def write(k_GxNxPxD, v_GxNxPxD, k_SxGxD, v_SxGxD, table_SxW, pos_S):
@@ -48,7 +51,7 @@ def write_rows(k_GxNxPxD, v_GxNxPxD, k_TxGxD, v_TxGxD, pages_W, start: int | jax
 
 
 def decode(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, *, window: int = 0, impl: str = "xla",
-           pages_per_block: int = 0, layer=None):
+           pages_per_block: int = 0, layer=None, interpret: bool = False):
     """One query per sequence against its held keys: [S, H, D] in q's dtype.
     `pages_per_block` (pallas): pages per kernel block, dividing W (0: up to 8). `layer`: the
     pools are stacked over layers ([L, G, N, P, D]) and this layer's is read (the xla path
@@ -57,10 +60,11 @@ def decode(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, *, window: int = 0,
         raise ValueError(f"paged attention: unknown kernel {impl!r} (known: {', '.join(IMPLS)})")
     if layer is not None:
         layer = jnp.asarray(layer)  # an index array even when static: the gathered axes' place depends on it
-    if impl == "pallas" and isinstance(window, int) and not window:
+    if impl != "xla" and isinstance(window, int) and not window:
         if layer is not None:
             k_GxNxPxD, v_GxNxPxD = k_GxNxPxD[layer], v_GxNxPxD[layer]
-        return _pallas(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, pages_per_block)
+        kernel = _pallas if impl == "pallas" else functools.partial(_pallas_gpu, interpret=interpret)
+        return kernel(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, pages_per_block)
     s, h, d = q_SxHxD.shape
     g, _, p, _ = k_GxNxPxD.shape[-4:]
     w = table_SxW.shape[1]
@@ -89,3 +93,15 @@ def _pallas(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, pages_per_block: i
     q = (q_SxHxD.astype(jnp.float32) / math.sqrt(q_SxHxD.shape[-1])).astype(q_SxHxD.dtype)
     return paged_attention(q, k_GxNxPxD, v_GxNxPxD, lens_S.astype(jnp.int32), table_SxW.astype(jnp.int32),
                            mask_value=MASK_VALUE, pages_per_compute_block=block)
+
+
+def _pallas_gpu(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, pages_per_block: int, interpret: bool = False):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    w = table_SxW.shape[1]
+    part = w & -w  # pages per partition (partitions run in parallel): Triton's blocks are powers of two
+    block = pages_per_block or min(part, 8)
+    q = (q_SxHxD.astype(jnp.float32) / math.sqrt(q_SxHxD.shape[-1])).astype(q_SxHxD.dtype)
+    return paged_attention(q, k_GxNxPxD, v_GxNxPxD, table_SxW.astype(jnp.int32), lens_S.astype(jnp.int32),
+                           pages_per_compute_block=block, k_splits=w // part, mask_value=MASK_VALUE,
+                           interpret=interpret).astype(q_SxHxD.dtype)

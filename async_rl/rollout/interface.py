@@ -99,9 +99,8 @@ class BuiltinRollout:
         group share its prompt's prefill while the weights are unchanged."""
         params = self.params
         inserts: dict[int, tuple[object, list]] = {}  # id(prefix) -> (prefix, [(slot, row, ordinal, sample)])
-        conts = [s for s in starts if s.tokens]
+        conts = self._admitted([s for s in starts if s.tokens])
         once = []  # continuations' prefills: no later start shares them
-        conts = self._admitted(conts)
         for batch in self.batches(conts):
             prefix = self._prefill(params, [(s.prompt, np.asarray(s.tokens, np.int32)) for s in batch])
             inserts[id(prefix)] = (prefix, [(s.slot, row, s.ordinal, s.sample) for row, s in enumerate(batch)])
@@ -111,8 +110,8 @@ class BuiltinRollout:
         for batch in self.batches(list(stale.items())):
             prefix = self._prefill(params, [(prompt, None) for _, prompt in batch])
             for row, (ordinal, _) in enumerate(batch):
-                self._drop(self._prefixes.get(ordinal))
-                self._prefixes[ordinal] = (self.version, prefix, row)
+                old, self._prefixes[ordinal] = self._prefixes.get(ordinal), (self.version, prefix, row)
+                self._drop(old)
         for s in fresh:
             _, prefix, row = self._prefixes[s.ordinal]
             inserts.setdefault(id(prefix), (prefix, []))[1].append((s.slot, row, s.ordinal, s.sample))

@@ -30,12 +30,16 @@ from async_rl.rollout.kv_pages import NULL_PAGE, PagePool
 
 
 class PagedEngine(Engine):
-    def __init__(self, model_cfg, graphdef, *, page_size: int = 16, pool_tokens: int = 0, impl: str = "xla",
+    def __init__(self, model_cfg, graphdef, *, page_size: int = 16, pool_tokens: int = 0, impl: str = "auto",
                  **kw):
         """`pool_tokens`: tokens of k/v the pool holds (0: every slot at full length, so nothing
-        is ever evicted); `impl`: the decode attention kernel (`paged_attention.IMPLS`)."""
-        self.page_size, self.paged_impl = page_size, impl
+        is ever evicted); `impl`: the decode attention kernel (`paged_attention.IMPLS`; auto:
+        JAX's Pallas kernel for the platform on a TPU or GPU, which reads only held pages, else xla)."""
+        self.page_size = page_size
         super().__init__(model_cfg, graphdef, recent=False, **kw)
+        platform = self.mesh.devices.flat[0].platform
+        self.paged_impl = impl if impl != "auto" else {"tpu": "pallas", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(
+            platform, "xla")
         self.max_pages = -(-self.width // page_size)  # pages one sequence holds at most
         n = (self.max_concurrent_decodes * (self.max_pages + 1) if not pool_tokens else -(-pool_tokens // page_size))
         if n < self.max_pages + 1:

@@ -1,7 +1,7 @@
 """Decode attention over a paged pool (`model.paged_attention`) equals plain masked attention
 over each sequence's keys laid out contiguously, with group prompts shared between sequences
-(`rollout.kv_pages`), for the XLA path and for JAX's TPU paged attention kernel run in
-interpret mode."""
+(`rollout.kv_pages`), for the XLA path and for JAX's TPU and GPU paged attention kernels run
+in interpret mode."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,4 +90,16 @@ def test_the_tpu_kernel_in_interpret_mode_matches_the_xla_path():
     want = pa.decode(q, *kv, jnp.asarray(lens), table)
     with pltpu.force_tpu_interpret_mode():
         got = pa.decode(q, *kv, jnp.asarray(lens), table, impl="pallas", pages_per_block=2)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_gpu_kernel_in_interpret_mode_matches_the_xla_path():
+    lens = [19, 11, 30, 1]
+    kv, table, _ = _pool(lens)
+    q = jax.random.normal(jax.random.PRNGKey(2), (S, H, D), jnp.float32)
+    want = pa.decode(q, *kv, jnp.asarray(lens), table)
+    got = pa.decode(q, *kv, jnp.asarray(lens), table, impl="pallas_gpu", interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    stacked = tuple(jnp.stack([jnp.zeros_like(x), x]) for x in kv)  # layer 1 of a stack of two
+    got = pa.decode(q, *stacked, jnp.asarray(lens), table, impl="pallas_gpu", interpret=True, layer=1)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
