@@ -51,35 +51,25 @@ def write_rows(k_GxNxPxD, v_GxNxPxD, k_TxGxD, v_TxGxD, pages_W, start: int | jax
 
 
 def decode(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, *, window: int = 0, impl: str = "xla",
-           pages_per_block: int = 0, layer=None, interpret: bool = False):
+           pages_per_block: int = 0, interpret: bool = False):
     """One query per sequence against its held keys: [S, H, D] in q's dtype.
-    `pages_per_block` (pallas): pages per kernel block, dividing W (0: up to 8). `layer`: the
-    pools are stacked over layers ([L, G, N, P, D]) and this layer's is read (the xla path
-    gathers its pages from the stack without slicing the layer out first)."""
+    `pages_per_block` (pallas): pages per kernel block, dividing W (0: up to 8)."""
     if impl not in IMPLS:
         raise ValueError(f"paged attention: unknown kernel {impl!r} (known: {', '.join(IMPLS)})")
-    if layer is not None:
-        layer = jnp.asarray(layer)  # an index array even when static: the gathered axes' place depends on it
-    if impl != "xla" and isinstance(window, int) and not window:
-        if layer is not None:
-            k_GxNxPxD, v_GxNxPxD = k_GxNxPxD[layer], v_GxNxPxD[layer]
+    if impl != "xla" and not window:
         kernel = _pallas if impl == "pallas" else functools.partial(_pallas_gpu, interpret=interpret)
         return kernel(q_SxHxD, k_GxNxPxD, v_GxNxPxD, lens_S, table_SxW, pages_per_block)
     s, h, d = q_SxHxD.shape
-    g, _, p, _ = k_GxNxPxD.shape[-4:]
+    g, _, p, _ = k_GxNxPxD.shape
     w = table_SxW.shape[1]
-    if layer is None:
-        k = k_GxNxPxD[:, table_SxW].reshape(g, s, w * p, d)  # [G, S, W*P, D]
-        v = v_GxNxPxD[:, table_SxW].reshape(g, s, w * p, d)
-    else:  # layer and table indices split by a slice: the gathered axes come first, [S, W, G, P, D]
-        k = jnp.moveaxis(k_GxNxPxD[layer, :, table_SxW], 2, 0).reshape(g, s, w * p, d)
-        v = jnp.moveaxis(v_GxNxPxD[layer, :, table_SxW], 2, 0).reshape(g, s, w * p, d)
+    k = k_GxNxPxD[:, table_SxW].reshape(g, s, w * p, d)  # [G, S, W*P, D]
+    v = v_GxNxPxD[:, table_SxW].reshape(g, s, w * p, d)
     q = q_SxHxD.reshape(s, g, h // g, d)
     scores = jnp.einsum("sgrd,gskd->sgrk", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
     j = jnp.arange(w * p)[None]
     visible_SxK = j < lens_S[:, None]
-    if not isinstance(window, int) or window:  # may be traced (each layer's own; 0 = none)
-        visible_SxK &= (window == 0) | (j >= lens_S[:, None] - window)
+    if window:
+        visible_SxK &= j >= lens_S[:, None] - window
     scores = jnp.where(visible_SxK[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("sgrk,gskd->sgrd", probs, v).reshape(s, h, d).astype(q_SxHxD.dtype)

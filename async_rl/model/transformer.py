@@ -538,32 +538,30 @@ class Transformer(nnx.Module):
         write = lambda c, new: c.at[:, rows, :, cols_B].set(new.swapaxes(0, 1).astype(c.dtype))
         return self._logits(x[:, 0]), {"k": write(cache["k"], k_LxBxGxD), "v": write(cache["v"], v_LxBxGxD)}
 
-    def decode_paged(self, tokens_B, positions_B, cols_B, pool: KVCache, table_BxW, *, impl: str = "xla",
-                     unroll: bool | int = 1):
+    def decode_paged(self, tokens_B, positions_B, cols_B, pool: KVCache, table_BxW, *, impl: str = "xla"):
         """`decode` over a paged pool (`model.paged_attention`): row b's token is its
         `positions_B[b]`-th, its k/v is written at that position of the pages `table_BxW[b]`
         names, and it attends positions 0 .. positions_B[b]. `cols_B`: its engine column
-        (learned position embeddings). Pool k/v: [n_layers, Hkv, pages, page_size, hd].
+        (learned position embeddings). Pool k/v: a list of one array per layer, each
+        [Hkv, pages, page_size, hd], so a kernel reads a layer's pool where it lies (a slice of a
+        stacked pool is a copy of that layer's pool per step); the layers run unrolled.
         Returns (logits [B, V] fp32, pool with every layer's new k/v written)."""
         lens_B = positions_B + 1
-        local_L, w = self._local_L(), self.cfg.sliding_window
+        local = self.cfg.local_layers() if self.cfg.sliding_window else (None,) * self.cfg.n_layers
         x = self._embed(tokens_B[:, None], cols_B[:, None])
-        b = tokens_B.shape[0]
-
-        def body(carry, block, i):
-            x, pool = carry
-            local = None if local_L is None else local_L[i]
-            q, k, v = block.qkv(x, positions_B[:, None], pin=True, local=local)
-            p = pool["k"].shape[3]
-            page_B = jnp.take_along_axis(table_BxW, (positions_B // p)[:, None], axis=1)[:, 0]
-            # scalar, page and offset indices split by a slice: updates are [B, Hkv, hd]
-            i = jnp.asarray(i)  # an index array: the updates' axes are [B, Hkv, hd] however it came
-            put = lambda c, new: c.at[i, :, page_B, positions_B % p].set(new[:, 0].astype(c.dtype))  # noqa: E731
-            pool = {"k": put(pool["k"], k), "v": put(pool["v"], v)}
-            window = 0 if local is None else jnp.where(local, w, 0)
-            out = paged_attention.decode(q[:, 0], pool["k"], pool["v"], lens_B, table_BxW, window=window,
-                                         impl=impl, layer=i)
-            return (block.finish(x, out.reshape(b, 1, -1)), pool), None
-
-        (x, pool), _ = self._scan(body, (x, pool), jnp.arange(self.cfg.n_layers), unroll=unroll)
-        return self._logits(x[:, 0]), pool
+        b, p = tokens_B.shape[0], pool["k"][0].shape[2]
+        page_B = jnp.take_along_axis(table_BxW, (positions_B // p)[:, None], axis=1)[:, 0]
+        put = lambda c, new: c.at[:, page_B, positions_B % p].set(new[:, 0].swapaxes(0, 1).astype(c.dtype))  # noqa: E731
+        graphdef, blocks = nnx.split(self.layers)
+        per_layer = jax.tree.map(lambda a: jnp.split(a, a.shape[0]), blocks)  # one split per leaf, as `_scan` does
+        ks, vs = list(pool["k"]), list(pool["v"])
+        for i in range(self.cfg.n_layers):
+            block = nnx.merge(graphdef, jax.tree.map(lambda parts: parts[i][0], per_layer,
+                                                     is_leaf=lambda v: isinstance(v, list)))
+            flag = None if local[i] is None else jnp.asarray(local[i])
+            q, k, v = block.qkv(x, positions_B[:, None], pin=True, local=flag)
+            ks[i], vs[i] = put(ks[i], k), put(vs[i], v)
+            out = paged_attention.decode(q[:, 0], ks[i], vs[i], lens_B, table_BxW, impl=impl,
+                                         window=self.cfg.sliding_window if local[i] else 0)
+            x = block.finish(x, out.reshape(b, 1, -1))
+        return self._logits(x[:, 0]), {"k": ks, "v": vs}

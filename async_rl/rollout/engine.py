@@ -563,7 +563,7 @@ class Engine:
         if table is not None:  # a paged pool: rows not active write and read only the null page
             pos_S = jnp.where(st.active_S, cols_S - st.starts_S, 0)
             logits_SxV, pool = nnx.merge(self.graphdef, params).decode_paged(
-                tokens_S, pos_S, cols_S, st.cache, table, impl=self.paged_impl, unroll=self.unroll)
+                tokens_S, pos_S, cols_S, st.cache, table, impl=self.paged_impl)
             return dataclasses.replace(new, cache=pool, logits_SxV=logits_SxV), None, tokens_S, logprobs_S
         logits_SxV, written = nnx.merge(self.graphdef, params).decode(
             tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window, unroll=self.unroll,

@@ -32,7 +32,8 @@ from async_rl.rollout.kv_pages import NULL_PAGE, PagePool
 class PagedEngine(Engine):
     def __init__(self, model_cfg, graphdef, *, page_size: int = 16, pool_tokens: int = 0, impl: str = "auto",
                  **kw):
-        """`pool_tokens`: tokens of k/v the pool holds (0: every slot at full length, so nothing
+        """A pool per layer, each [Hkv, pages, page_size, hd] for keys and for values.
+        `pool_tokens`: tokens of k/v the pool holds (0: every slot at full length, so nothing
         is ever evicted); `impl`: the decode attention kernel (`paged_attention.IMPLS`; auto:
         JAX's Pallas kernel for the platform on a TPU or GPU, which reads only held pages, else xla)."""
         self.page_size = page_size
@@ -59,13 +60,13 @@ class PagedEngine(Engine):
     _decode_extra = 1
     _split_slots = False  # one pool, every slot's: a data axis repeats the work (pages split over it: not yet)
 
-    def _cache_sharding(self, data, heads) -> NamedSharding:
-        return NamedSharding(self.mesh, PS(None, heads, None, None, None))  # [L, Hkv, N, P, hd]
+    def _cache_sharding(self, data, heads) -> list[NamedSharding]:
+        return [NamedSharding(self.mesh, PS(heads, None, None, None))] * self.model_cfg.n_layers  # [Hkv, N, P, hd] each
 
     def _init_cache(self):
         c = self.model_cfg
-        shape = (c.n_layers, c.n_kv_heads, self.pool.n_pages, self.page_size, c.resolved_head_dim)
-        return {n: jnp.zeros(shape, self.dtype) for n in ("k", "v")}
+        shape = (c.n_kv_heads, self.pool.n_pages, self.page_size, c.resolved_head_dim)
+        return {n: [jnp.zeros(shape, self.dtype) for _ in range(c.n_layers)] for n in ("k", "v")}
 
     # ---- host side ------------------------------------------------------------------------
 
@@ -237,10 +238,11 @@ class PagedEngine(Engine):
         safe = jnp.clip(pos_BxW, 0, rows_BxW.shape[1] * p - 1)
         page_BxW = jnp.where(held, jnp.take_along_axis(rows_BxW, safe // p, axis=1), NULL_PAGE)
 
-        def place(pool, new):  # pool [L, G, N, P, D] <- new [L, B, G, W, D] (the indexed axes stay: [L, G, B, W, D])
-            pool = pool.at[:, :, page_BxW, safe % p].set(new.swapaxes(1, 2).astype(pool.dtype))
-            return pool.at[:, :, copies_Cx2[:, 1]].set(pool[:, :, copies_Cx2[:, 0]])
-        st = dataclasses.replace(st, cache=jax.tree.map(place, st.cache, prefix.cache))
+        def place(pool, new):  # a layer's pool [G, N, P, D] <- new [B, G, W, D] (the indexed axes stay: [G, B, W, D])
+            pool = pool.at[:, page_BxW, safe % p].set(new.swapaxes(0, 1).astype(pool.dtype))
+            return pool.at[:, copies_Cx2[:, 1]].set(pool[:, copies_Cx2[:, 0]])
+        st = dataclasses.replace(st, cache={n: [place(pool, prefix.cache[n][i]) for i, pool in enumerate(st.cache[n])]
+                                            for n in ("k", "v")})
         return jax.lax.fori_loop(0, n, lambda i, st: seat(prefix, st, slots_S[i], rows_S[i], ordinals_S[i],
                                                           samples_S[i]), st)
 
