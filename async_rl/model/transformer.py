@@ -336,6 +336,13 @@ def _stack_blocks(blocks: list[Block], cfg: ModelConfig, lora=None) -> Block:
     return stacked
 
 
+def _unstacked(tree, n: int) -> list:
+    """Each of the `n` layers' slices of a tree stacked over layers, as static slices: one split
+    per leaf (its transpose is one concatenation, not n padded updates)."""
+    parts = jax.tree.map(lambda a: jnp.split(a, a.shape[0]), tree)
+    return [jax.tree.map(lambda p: p[i][0], parts, is_leaf=lambda p: isinstance(p, list)) for i in range(n)]
+
+
 def _policy(remat: str):
     if remat not in REMAT:
         raise ValueError(f"learner.remat={remat!r}: must be one of {', '.join(REMAT)}")
@@ -424,12 +431,9 @@ class Transformer(nnx.Module):
             return jax.lax.scan(step, carry, (blocks, xs), unroll=unroll)
         # Fully unrolled: straight-line code with static slices (a scan with unroll=True still
         # leaves XLA a one-trip loop, whose body XLA:CPU runs on one core).
-        # One split per leaf (its transpose is one concatenation, not L padded updates).
-        per_layer = jax.tree.map(lambda a: jnp.split(a, a.shape[0]), (blocks, xs))
         ys = []
-        for i in range(self.cfg.n_layers):
-            carry, y = step(carry, jax.tree.map(lambda parts: parts[i][0], per_layer,
-                                                is_leaf=lambda p: isinstance(p, list)))
+        for args in _unstacked((blocks, xs), self.cfg.n_layers):
+            carry, y = step(carry, args)
             ys.append(y)
         return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None
 
@@ -553,11 +557,9 @@ class Transformer(nnx.Module):
         page_B = jnp.take_along_axis(table_BxW, (positions_B // p)[:, None], axis=1)[:, 0]
         put = lambda c, new: c.at[:, page_B, positions_B % p].set(new[:, 0].swapaxes(0, 1).astype(c.dtype))  # noqa: E731
         graphdef, blocks = nnx.split(self.layers)
-        per_layer = jax.tree.map(lambda a: jnp.split(a, a.shape[0]), blocks)  # one split per leaf, as `_scan` does
         ks, vs = list(pool["k"]), list(pool["v"])
-        for i in range(self.cfg.n_layers):
-            block = nnx.merge(graphdef, jax.tree.map(lambda parts: parts[i][0], per_layer,
-                                                     is_leaf=lambda v: isinstance(v, list)))
+        for i, params in enumerate(_unstacked(blocks, self.cfg.n_layers)):
+            block = nnx.merge(graphdef, params)
             flag = None if local[i] is None else jnp.asarray(local[i])
             q, k, v = block.qkv(x, positions_B[:, None], pin=True, local=flag)
             ks[i], vs[i] = put(ks[i], k), put(vs[i], v)

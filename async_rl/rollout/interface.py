@@ -110,15 +110,16 @@ class BuiltinRollout:
         for batch in self.batches(list(stale.items())):
             prefix = self._prefill(params, [(prompt, None) for _, prompt in batch])
             for row, (ordinal, _) in enumerate(batch):
-                old, self._prefixes[ordinal] = self._prefixes.get(ordinal), (self.version, prefix, row)
-                self._drop(old)
+                old = self._prefixes.get(ordinal)
+                self._prefixes[ordinal] = (self.version, prefix, row)
+                self._drop(old and old[1])
         for s in fresh:
             _, prefix, row = self._prefixes[s.ordinal]
             inserts.setdefault(id(prefix), (prefix, []))[1].append((s.slot, row, s.ordinal, s.sample))
         for prefix, todo in inserts.values():
             self.decode_state = self.engine.insert_many(prefix, self.decode_state, todo)
         for prefix in once:
-            self._drop((None, prefix, 0))
+            self._drop(prefix)
 
     def _admitted(self, conts: list[Start]) -> list[Start]:
         """The continuations a paged engine has room for; the rest are refused before their
@@ -139,16 +140,14 @@ class BuiltinRollout:
 
     def forget(self, ordinals: Sequence[int]) -> None:
         for o in ordinals:
-            self._drop(self._prefixes.pop(o, None))
+            old = self._prefixes.pop(o, None)
+            self._drop(old and old[1])
 
-    def _drop(self, entry) -> None:
-        """A prefill no start uses again: a paged engine frees the pages its rows hold once no
-        other group's row of it is kept."""
+    def _drop(self, prefix) -> None:
+        """A prefill no start uses again (None: none): a paged engine frees the pages its rows
+        hold once no other group's row of it is kept."""
         release = getattr(self.engine, "release_prefix", None)
-        if entry is None or release is None:
-            return
-        prefix = entry[1]
-        if not any(p is prefix for _, p, _ in self._prefixes.values()):
+        if prefix is not None and release is not None and not any(p is prefix for _, p, _ in self._prefixes.values()):
             release(prefix)
 
     def batches(self, items: list) -> list[list]:

@@ -44,6 +44,9 @@ class PagePool:
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
+    def __contains__(self, h: Hashable) -> bool:
+        return h in self._pages
+
     def holders(self) -> list[Hashable]:
         return list(self._pages)
 

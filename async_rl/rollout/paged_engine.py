@@ -97,9 +97,12 @@ class PagedEngine(Engine):
         """Slots whose samples were not admitted: free, and reported by `take_evicted`."""
         slots = [int(s) for s in slots]
         decode_state = self.free_many(decode_state, slots)
+        self._refused(slots)
+        return decode_state
+
+    def _refused(self, slots: list[int]) -> None:
         self._evicted += slots
         self.refusals += len(slots)
-        return decode_state
 
     def insert_many(self, prefix: Prefix, decode_state: DecodeState, todo) -> DecodeState:
         """`Engine.insert_many` into pages: a row is written once, into pages of its own, and each
@@ -116,11 +119,10 @@ class PagedEngine(Engine):
         for slot, row, ordinal, sample in todo:
             n = int(prefix.next_cols_B[row] - prefix.starts_B[row])
             h = ("row", prefix.key, row)
-            fresh = h not in pool.holders()
+            fresh = h not in pool
             need = pool.pages_for(n + self.steps_per_call) - n // p + (pool.pages_for(n) if fresh else 0)
             if not self._reclaim(need, keep={("row", prefix.key, r) for r in writes} | {h}):
-                self._evicted.append(slot)
-                self.refusals += 1
+                self._refused([slot])
                 continue
             if fresh:
                 pool.grow(h, n)

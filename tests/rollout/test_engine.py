@@ -21,17 +21,25 @@ CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qkv_
 pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
-@pytest.fixture(scope="module")
-def model():
-    graphdef, params = nnx.split(Transformer(CFG, V, rngs=nnx.Rngs(0)))
+def tiny_model(cfg=CFG, seed=0):
+    graphdef, params = nnx.split(Transformer(cfg, V, rngs=nnx.Rngs(seed)))
     # Scaled-up weights give varied, peaked outputs (random init repeats one token).
     return graphdef, jax.tree.map(lambda x: x * 3.0, params)
 
 
-@pytest.fixture(scope="module")
-def prompts():
+def tiny_prompts():
     rs = np.random.RandomState(0)
     return [rs.randint(4, V, rs.randint(1, P + 1)).astype(np.int32) for _ in range(7)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return tiny_prompts()
 
 
 def make_engine(graphdef, *, slots=4, temperature=0.0, top_k=0, top_p=1.0, devices="one", **kw):

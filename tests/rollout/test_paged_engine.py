@@ -5,30 +5,26 @@ continue from their recorded tokens, none lost and none generated twice."""
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from test_engine import CFG, EOS, P, V, tiny_model, tiny_prompts
 
 from async_rl.config import ModelConfig
-from async_rl.model.transformer import Transformer
 from async_rl.rollout.decoding import generate_all
 from async_rl.rollout.engine import Engine
 from async_rl.rollout.paged_engine import PagedEngine
 
-V, P, N, EOS = 40, 8, 12, 2
-CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qkv_bias=True, tie_embeddings=False)
+N = 12  # longer than the slot engine tests' samples: the pool runs out mid-sample
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 @pytest.fixture(scope="module")
 def model():
-    graphdef, params = nnx.split(Transformer(CFG, V, rngs=nnx.Rngs(0)))
-    return graphdef, jax.tree.map(lambda x: x * 3.0, params)
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rs = np.random.RandomState(0)
-    return [rs.randint(4, V, rs.randint(1, P + 1)).astype(np.int32) for _ in range(7)]
+    return tiny_prompts()
 
 
 def build(graphdef, cls=Engine, cfg=CFG, **kw):
@@ -92,8 +88,7 @@ def test_a_group_s_samples_share_their_prompt_s_full_pages(model):
 def test_sliding_window_layers_read_only_their_window(model, prompts):
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, tie_embeddings=False, gemma=True,
                       qk_norm=True, sliding_window=3, global_every=2)
-    graphdef, params = nnx.split(Transformer(cfg, V, rngs=nnx.Rngs(1)))
-    params = jax.tree.map(lambda x: x * 3.0, params)
+    graphdef, params = tiny_model(cfg, seed=1)
     caps = [[N] * 3 for _ in prompts]
     same(run(build(graphdef, PagedEngine, cfg, page_size=4), params, prompts, caps),
          run(build(graphdef, cfg=cfg), params, prompts, caps))
