@@ -3,7 +3,8 @@
 Owns: the declared fields (each with a one-line meaning and unit), parsing of YAML
 and `group.key=value` overrides into those types, validation that names the field
 and the value received, and the list of fields that define what the data stream
-means (a resume may not change them). Does not own: checks that need devices
+means (a resume may not change them); the housekeeping groups (train, mesh, checkpoint,
+journal, eval, log) are declared in `config_groups` and re-exported here. Does not own: checks that need devices
 (mesh vs. device count lives in `sharding`) or a checkpoint (lives in `checkpoint`).
 """
 
@@ -19,20 +20,18 @@ from typing import Any, Optional
 
 import yaml
 
-from async_rl.errors import UsageError
+from async_rl.config_groups import (  # noqa: F401  (re-exported: config owns every group)
+    CheckpointConfig,
+    ConfigError,
+    EvalConfig,
+    JournalConfig,
+    LogConfig,
+    MeshConfig,
+    TrainConfig,
+    _check,
+    _one_of,
+)
 
-
-class ConfigError(UsageError):
-    """A usage or configuration error: the CLI prints it on one line and exits 2."""
-
-
-def _check(cond: bool, key: str, value: Any, why: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={value!r}: {why}")
-
-
-def _one_of(key: str, value: Any, choices: tuple) -> None:
-    _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -239,7 +238,7 @@ class RolloutConfig:
     prompts_per_step: int = 32  # groups (prompts) trained per learner step
     samples_per_prompt: int = 8  # completions per prompt (the GRPO group)
     max_new_tokens: int = 512  # completion length cap, tokens
-    reward: str = ""  # reward function name or module:function; "" = the task's own
+    reward: str = ""  # reward function name or module:function; "" = the task's own; none = 0 (learner.distill alone)
     partial: bool = False  # publish weights mid-generation; samples continue under new weights
     filter_zero_variance: bool = False  # skip groups whose rewards are all equal (logged, counted)
     reward_timeout_s: float = 60.0  # one reward call running longer fails the run, seconds
@@ -323,6 +322,9 @@ class LearnerConfig:
     lora_rank: int = 0  # LoRA adapter rank r: train only adapters A [d_in, r], B [r, d_out] on a frozen base; 0 = full weights
     lora_alpha: float = 16.0  # LoRA scale numerator: a projection adds (lora_alpha / lora_rank) * (x A) B
     lora_targets: str = "attention,mlp"  # projections given adapters: attention (q,k,v,o), mlp (gate,up,down), single names, comma-sep.
+    distill: str = "none"  # on-policy distillation: none | reverse_kl (per-token advantage log pi_teacher - log pi_behaviour)
+    teacher: str = ""  # learner.distill's frozen teacher: a run directory (its newest verified step) or a Hugging Face directory
+    distill_coef: float = 1.0  # weight of the distillation advantage beside the reward's (rollout.reward=none: it alone)
 
     def __post_init__(self):
         _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
@@ -361,85 +363,14 @@ class LearnerConfig:
         bad = [n.strip() for n in self.lora_targets.split(",") if n.strip() not in ("attention", "mlp", *sum(LORA_GROUPS.values(), ()))]
         _check(not bad, "learner.lora_targets", self.lora_targets, f"unknown projection {(bad or [''])[0]!r} (known: "
                "attention, mlp, q, k, v, o, gate, up, down; comma-separated)")
+        _one_of("learner.distill", self.distill, ("none", "reverse_kl"))
+        _check(math.isfinite(self.distill_coef) and self.distill_coef >= 0, "learner.distill_coef", self.distill_coef,
+               "must be a finite number >= 0")
+        _check((self.distill == "none") == (not self.teacher), "learner.teacher", self.teacher,
+               "required with learner.distill=reverse_kl" if self.teacher == "" else "needs learner.distill=reverse_kl")
         _check(self.ratio_level == "token" or self.is_correction in ("none", "seq_tis"), "learner.ratio_level",
                self.ratio_level, f"is not defined with learner.is_correction={self.is_correction} (a per-token "
                "weight on a sequence ratio); use is_correction none or seq_tis")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    max_steps: int = 0  # stop after this many learner steps in total; 0 = when the data ends
-    reward_target: float = 0.9  # reported at the end: first step whose mean reward reached it
-
-    def __post_init__(self):
-        _check(self.max_steps >= 0, "train.max_steps", self.max_steps, "must be >= 0")
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    data: int = -1  # data-parallel axis size; -1 = all learner devices left over
-    fsdp: int = 1  # parameter/optimizer sharding axis size
-    tensor: int = 1  # tensor-parallel axis size
-    engine_devices: int = 0  # devices given to the engine alone; 0 = share the learner's
-
-    def __post_init__(self):
-        _check(self.data == -1 or self.data > 0, "mesh.data", self.data, "must be -1 or > 0")
-        _check(self.fsdp > 0, "mesh.fsdp", self.fsdp, "must be > 0")
-        _check(self.tensor > 0, "mesh.tensor", self.tensor, "must be > 0")
-        _check(self.engine_devices >= 0, "mesh.engine_devices", self.engine_devices, "must be >= 0")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    every_steps: int = 50  # save every N learner steps; 0 = only at the end and on SIGTERM
-    keep: int = 2  # committed steps kept on disk
-    async_: bool = True  # write in the background while the learner trains (YAML key: async)
-
-    def __post_init__(self):
-        _check(self.every_steps >= 0, "checkpoint.every_steps", self.every_steps, "must be >= 0")
-        _check(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
-
-
-@dataclass(frozen=True)
-class JournalConfig:
-    enabled: bool = True  # append finished samples to run.dir/journal; a resume uses them instead of generating
-    fsync_every_s: float = 1.0  # fdatasync (object stores: upload) the journal at most this often, seconds; 0 = every write
-
-    def __post_init__(self):
-        _check(self.fsync_every_s >= 0, "journal.fsync_every_s", self.fsync_every_s, "must be >= 0")
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    every_steps: int = 0  # score held-out prompts every N learner steps (and at the end); 0 = off
-    path: str = ""  # held-out prompt file, fields as data.*; "" = synthetic ids disjoint from training
-    num_records: int = 256  # held-out prompts (a file: its first N, 0 = all)
-    samples_per_prompt: int = 1  # 1 = greedy pass@1; k > 1 = k samples at engine.temperature, pass@k
-    correct_threshold: float = 1.0  # a completion is correct when its reward is at least this
-    at_start: bool = False  # also score the starting weights (a step-0 row) before a fresh run trains
-
-    def __post_init__(self):
-        _check(self.every_steps >= 0, "eval.every_steps", self.every_steps, "must be >= 0")
-        _check(self.num_records >= 0, "eval.num_records", self.num_records, "must be >= 0")
-        _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt, "must be >= 1")
-        _check(not self.at_start or self.every_steps > 0, "eval.at_start", self.at_start, "needs eval.every_steps > 0")
-
-
-@dataclass(frozen=True)
-class LogConfig:
-    progress: bool = True  # live progress bar on stderr
-    tensorboard: bool = True  # TensorBoard event files in run.dir/tb
-    plot: bool = True  # reward.png learning curve at the end
-    every_steps: int = 1  # console/TensorBoard cadence, steps (metrics.jsonl gets every step)
-    rollouts: bool = False  # rollouts.jsonl: every trained sample's tokens, versions and reward
-    wandb: bool = False  # also log to Weights & Biases (extra: async_rl[wandb]); one W&B run per run.dir
-    wandb_project: str = "async_rl"  # W&B project
-    wandb_entity: str = ""  # W&B entity (user or team); "" = the account's default
-    wandb_name: str = ""  # W&B run name; "" = run.dir's folder name
-    wandb_tags: str = ""  # W&B tags, comma-separated
-
-    def __post_init__(self):
-        _check(self.every_steps > 0, "log.every_steps", self.every_steps, "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -494,7 +425,8 @@ class Config:
                    f"needs rollout.samples_per_prompt >= 2 (got {self.rollout.samples_per_prompt}): "
                    "a group of one sample always has zero reward variance")
         # every sample is its own group's mean: every advantage is zero and nothing is learned
-        _check(self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", self.rollout.samples_per_prompt,
+        _check(self.rollout.samples_per_prompt >= 2 or self.learner.distill != "none", "rollout.samples_per_prompt",
+               self.rollout.samples_per_prompt,
                "must be >= 2: advantages are normalised within each prompt's group, so a group of one "
                "sample always has advantage 0 and the policy never changes")
         if s.max_buffered_groups:

@@ -5,7 +5,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "async_rl"
 # data-flow order: a wing imports only wings before it (and the top-level cross-cutting modules)
 WINGS = ("store", "data", "env", "model", "buffer", "rollout", "learner", "state", "obs", "plan", "run")
-TOP = {"__init__", "__main__", "config", "errors", "signals", "faults", "usercode"}
+TOP = {"__init__", "__main__", "config", "config_groups", "errors", "signals", "faults", "usercode"}
 
 
 def _modules():

@@ -45,6 +45,12 @@ def _positional(out: str, target: str) -> float:
     return sum(a == b for a, b in zip(out, target)) / n
 
 
+@register_reward("none")
+def no_reward(completion: str, answer: str) -> float:
+    """Every completion scores 0: training learns from learner.distill alone."""
+    return 0.0
+
+
 @register_reward("reverse")
 @register_reward("digits")
 def reverse_reward(completion: str, answer: str) -> float:
@@ -233,9 +239,12 @@ def task_reward(task: str) -> str:
     return _TASK_REWARDS[task]
 
 
-def reward_for_config(cfg) -> tuple[str, RewardFn]:
-    """(name, function) for `rollout.reward`, defaulting to the synthetic task's reward."""
+def reward_for_config(cfg, held_out: bool = False) -> tuple[str, RewardFn]:
+    """(name, function) for `rollout.reward`, defaulting to the synthetic task's reward.
+    `held_out`: the reward evaluation scores with, the task's own where training uses none."""
     name = cfg.rollout.reward
+    if held_out and name == "none":
+        name = ""
     if not name:
         if cfg.data.source != "synthetic":
             raise ConfigError(f"rollout.reward is required for data.source={cfg.data.source} "

@@ -13,6 +13,7 @@ generation (the engine reads `eos_id` / `stop_ids` from here).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import uuid
@@ -366,6 +367,15 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def vocabulary(tok) -> str:
+    """What names a tokenizer's token ids: two models that share it score the same ids as the
+    same text (a distillation teacher must share the student's)."""
+    if isinstance(tok, HFTokenizer):
+        items = sorted(tok._tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        return "hf:" + hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+    return f"char:{tok.alphabet}" if isinstance(tok, CharTokenizer) else "byte"
 
 
 def build_tokenizer(cfg: TokenizerConfig, *, synthetic: bool = False):

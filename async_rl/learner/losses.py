@@ -125,7 +125,7 @@ def policy_loss(logp_BxN, behav_BxN, adv_B, mask_BxN, *, clip_eps: float, correc
     mask = mask_BxN.astype(jnp.float32)
     if prox_BxN is None:
         prox_BxN = jax.lax.stop_gradient(logp_BxN)
-    adv = adv_B[:, None]
+    adv = adv_B[:, None] if adv_B.ndim == 1 else adv_B  # per sample, or per token (learner.distill)
     if correction == "none":
         log_ratio, log_w = logp_BxN - behav_BxN, jnp.zeros_like(logp_BxN)
     else:

@@ -101,12 +101,15 @@ class Learner:
     """Holds the compiled functions; the state itself is passed in and out (pure steps)."""
 
     def __init__(self, cfg: Config, vocab_size: int, mesh, shared_devices: bool = True, *,
-                 log: Callable[[str], None] = _log, unroll: bool = False, n_tokens: int = 0, horizon: int = 0):
+                 log: Callable[[str], None] = _log, unroll: bool = False, n_tokens: int = 0, horizon: int = 0,
+                 teacher=None):
         """`unroll`: every loop in the step unrolled (layers, updates, micro-batches, logit
         chunks): slow to compile, but XLA's cost model then counts every iteration (`plan`).
         `n_tokens`: the tokenizer's vocabulary size; ids at or above it get no probability
         (`Transformer`), here and in the engine, which shares this graphdef. `horizon`: the
-        run's length in steps where the data ends it (the cosine schedule's, `lr_schedule`)."""
+        run's length in steps where the data ends it (the cosine schedule's, `lr_schedule`).
+        `teacher`: learner.distill's frozen teacher on this mesh (`state.teacher.Teacher`: its
+        graphdef, shardings and `params()`), passed to every step."""
         self.cfg, self.mesh, self.vocab_size = cfg, mesh, vocab_size
         self.P, self.N = cfg.engine.max_prompt_len, cfg.rollout.max_new_tokens
         self.G = cfg.rollout.samples_per_prompt
@@ -146,8 +149,10 @@ class Learner:
         self.use_ref = cfg.learner.kl_coef > 0
         # the step's second argument: the KL reference (full weights), or the frozen base (LoRA)
         second = self.base_sh if self.lora is not None else self.param_sh if self.use_ref else None
-        self._step = jax.jit(self._train_step, donate_argnums=(0,),
-                             in_shardings=(self.state_sh, second, self._batch_shardings()),
+        self.teacher = teacher
+        shardings = (self.state_sh, second, self._batch_shardings())
+        shardings += (self.teacher.shardings,) if self.teacher is not None else ()
+        self._step = jax.jit(self._train_step, donate_argnums=(0,), in_shardings=shardings,
                              out_shardings=(self.state_sh, sharding.replicated(mesh)))
 
     # deeper models are scanned on CPU too: unrolled, a 30-layer step takes many minutes to compile
@@ -313,14 +318,30 @@ class Learner:
         (loss, stats, grads), _ = jax.lax.scan(micro, acc0, self._split(rows, k), unroll=self.unroll or 1)
         return loss, stats, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
-    def _prox_logprobs(self, params, ref_params, rows):
-        """pi_prox: the step-start weights' logprobs of every row, micro-batch by micro-batch."""
+    def _rows_logprobs(self, model, rows):
+        """`model`'s logprobs of every row's completion, micro-batch by micro-batch (no gradient)."""
         k = self._micro_count(rows["mask_BxN"].shape[0])
         if k == 1:
-            return jax.lax.stop_gradient(self._logprobs(params, rows, ref_params)[0])
-        _, lp = jax.lax.scan(lambda c, mb: (c, self._logprobs(params, mb, ref_params)[0]), None, self._split(rows, k),
+            return jax.lax.stop_gradient(self._model_logprobs(model, rows)[0])
+        _, lp = jax.lax.scan(lambda c, mb: (c, self._model_logprobs(model, mb)[0]), None, self._split(rows, k),
                              unroll=self.unroll or 1)
         return jax.lax.stop_gradient(lp.swapaxes(0, 1).reshape(rows["mask_BxN"].shape))
+
+    def _distill(self, teacher_params, rows, adv_B):
+        """learner.distill=reverse_kl: each token's advantage adds distill_coef x (log pi_teacher -
+        log mu) of its sampled token, mu the behaviour policy (minus a per-token k1 estimate of
+        KL(mu || teacher)); (advantages [B, N], metrics)."""
+        lc, mask = self.cfg.learner, rows["mask_BxN"]
+        teacher_BxN = self._rows_logprobs(nnx.merge(self.teacher.graphdef, teacher_params), rows)
+        d_BxN = jnp.where(mask, teacher_BxN - rows["behav_logp_BxN"], 0.0)
+        fm, denom = mask.astype(jnp.float32), losses.token_count(mask)
+        rv = rows["row_valid_B"].astype(jnp.float32)
+        metrics = {"learner/distill_reverse_kl": -(d_BxN * fm).sum() / denom,
+                   "learner/teacher_logp": (teacher_BxN * fm).sum() / denom,
+                   "learner/student_logp": (rows["behav_logp_BxN"] * fm).sum() / denom,
+                   "learner/distill_adv_abs": lc.distill_coef * jnp.abs(d_BxN).sum() / denom,
+                   "learner/reward_adv_abs": (jnp.abs(adv_B) * rv).sum() / jnp.maximum(rv.sum(), 1)}
+        return adv_B[:, None] + lc.distill_coef * d_BxN, metrics
 
     def _update(self, state, ref_params, rows):
         loss, stats, grads = self._grads(state["params"], ref_params, rows)
@@ -334,7 +355,7 @@ class Learner:
         new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), {"params": params, "opt": opt}, state)
         return new, dict(stats, loss=loss, grad_norm=grad_norm, skipped_updates=(~ok).astype(jnp.int32))
 
-    def _train_step(self, state, ref_params, b):
+    def _train_step(self, state, ref_params, b, teacher_params=None):
         lc = self.cfg.learner
         mask = b["mask_BxN"] & b["row_valid_B"][:, None]
         rewards = b["rewards_B"]
@@ -345,13 +366,15 @@ class Learner:
         adv = losses.advantages(r_GxS, lc.advantage, lc.adv_eps).reshape(-1)
         truncated = b["truncated_B"] & b["row_valid_B"]
         train_mask = mask & ~truncated[:, None] if lc.overlong == "filter" else mask
-        rows = dict(b, mask_BxN=train_mask, adv_B=adv)
+        rows, distilled = dict(b, mask_BxN=train_mask, adv_B=adv), {}
+        if self.teacher is not None:
+            rows["adv_B"], distilled = self._distill(teacher_params, rows, adv)
         u, m = updates_per_step(self.cfg), lc.minibatches
         if u == 1:
             state, stats = self._update(state, ref_params, rows)
         else:
             if lc.is_correction != "none":  # "none" clips against the behaviour policy instead
-                rows["prox_BxN"] = self._prox_logprobs(state["params"], ref_params, rows)
+                rows["prox_BxN"] = self._rows_logprobs(self._model(state["params"], ref_params), rows)
             parts = self._split(rows, m)
 
             def one(state, i):
@@ -374,7 +397,7 @@ class Learner:
         })
         if lc.overlong == "filter":
             metrics["rollout/overlong_filtered"] = truncated.sum()
-        metrics.update({f"learner/{k}": v for k, v in stats.items()})
+        metrics.update({f"learner/{k}": v for k, v in stats.items()}, **distilled)
         return state, metrics
 
     def agreed(self, batch: Batch, pad_id: int = 0) -> Batch:
@@ -395,7 +418,8 @@ class Learner:
             pb, nb = batch.widths
             self.log(f"learner: compiling the step for {batch.tokens_BxT.shape[0]} rows x ({pb} prompt + {nb} "
                      f"completion) columns")
-        return self._step(state, ref_params, sharding.global_batch(self.mesh, batch.device_dict()))
+        args = (state, ref_params, sharding.global_batch(self.mesh, batch.device_dict()))
+        return self._step(*args, *((self.teacher.params(self.log),) if self.teacher is not None else ()))
 
 
 def params_fingerprint(params: nnx.State) -> str:

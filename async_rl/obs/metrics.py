@@ -124,7 +124,7 @@ class MetricsSink:
     """metrics.jsonl every step; TensorBoard and the console every `every` steps."""
 
     CONSOLE = ("rollout/reward_mean", "eval/accuracy", "learner/loss", "learner/entropy", "perf/tokens_per_s",
-               "perf/learner_idle_frac", "rollout/staleness_mean")
+               "perf/learner_idle_frac", "rollout/staleness_mean", "learner/distill_reverse_kl")
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool, every: int, total_steps: int | None,
                  start_step: int, console=print, process: int = 0, wandb=None):
@@ -181,7 +181,8 @@ class MetricsSink:
 
 def plot_rewards(all_rows: list[dict], out: Path) -> bool:
     """reward.png: mean reward per step (with a moving average) from metrics.jsonl's rows, and
-    the held-out accuracy where the run evaluated."""
+    the held-out accuracy where the run evaluated; beside it, with learner.distill, the reverse KL
+    to the teacher per step."""
     rows = [r for r in all_rows if r.get("rollout/reward_mean") is not None]
     evals = [r for r in all_rows if r.get("eval/accuracy") is not None]
     if not rows:
@@ -193,7 +194,13 @@ def plot_rewards(all_rows: list[dict], out: Path) -> bool:
     rew = [r["rollout/reward_mean"] for r in rows]
     k = max(1, len(rew) // 20)
     smooth = [sum(rew[max(0, i - k + 1):i + 1]) / len(rew[max(0, i - k + 1):i + 1]) for i in range(len(rew))]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    kl = [(r["step"], r["learner/distill_reverse_kl"]) for r in rows if "learner/distill_reverse_kl" in r]
+    fig, axes = plt.subplots(1, 1 + bool(kl), figsize=(6 + 5 * bool(kl), 3.5), dpi=100, squeeze=False)
+    ax = axes[0, 0]
+    if kl:
+        axes[0, 1].plot(*zip(*kl), color="tab:red")
+        axes[0, 1].set(xlabel="learner step", ylabel="reverse KL to the teacher (nats/token)")
+        axes[0, 1].grid(alpha=0.3)
     ax.plot(steps, rew, alpha=0.35, label="mean reward")
     ax.plot(steps, smooth, label=f"moving average ({k})")
     if evals:

@@ -2,7 +2,7 @@
 
 Owns: the bytes a run needs at least (parameters in their storage dtype, Adam's two fp32
 moments, the engine's copy of the weights in the compute dtype, a frozen reference copy
-when the KL penalty is on, the KV cache; with LoRA the frozen base and the adapters'
+when the KL penalty is on, a distillation teacher's parameters, the KV cache; with LoRA the frozen base and the adapters'
 parameters and moments), the host memory that size fields make a process
 allocate whatever the model (a step's batch arrays, the synthetic record index), and the
 memory the job can use (the device's limit where the backend reports one, else the host's
@@ -20,8 +20,16 @@ from async_rl.model.flops import adapter_count, param_count
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def estimate(cfg: Config, vocab: int) -> dict[str, int]:
-    """The bytes each part of the run needs at least."""
+def estimate(cfg: Config, vocab: int, teacher=None) -> dict[str, int]:
+    """The bytes each part of the run needs at least; `teacher`: learner.distill's
+    (`teacher.TeacherSpec`), its parameters in their storage dtype."""
+    out = _estimate(cfg, vocab)
+    if teacher is not None:
+        out["teacher"] = param_count(teacher.model, teacher.vocab) * _BYTES.get(teacher.model.param_dtype, 4)
+    return out
+
+
+def _estimate(cfg: Config, vocab: int) -> dict[str, int]:
     m, n = cfg.model, param_count(cfg.model, vocab)
     p_bytes, c_bytes = _BYTES.get(m.param_dtype, 4), _BYTES.get(m.dtype, 4)
     width = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
@@ -112,11 +120,11 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.1f} GiB"
 
 
-def check(cfg: Config, vocab: int) -> None:
+def check(cfg: Config, vocab: int, teacher=None) -> None:
     """Raises ConfigError when the estimate exceeds what the job can use (run.memory_check=false skips)."""
     if not cfg.run.memory_check:
         return
-    need, have = estimate(cfg, vocab), available()
+    need, have = estimate(cfg, vocab, teacher), available()
     total = sum(need.values())
     if have is None or total <= have[0]:
         return

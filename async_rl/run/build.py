@@ -34,7 +34,7 @@ from async_rl.plan import memory
 from async_rl.rollout.backends import make_engine
 from async_rl.rollout.engine import Engine
 from async_rl.run.evaluate import build_eval_set
-from async_rl.state import reshard
+from async_rl.state import reshard, teacher
 from async_rl.state.checkpoint import Checkpointer, CheckpointError, DamagedStep, Restored
 from async_rl.store import remote_io, rundir, runfiles, storage
 
@@ -161,9 +161,11 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
         log(f"data: skipped {len(pd.bad_records)} bad records (data.on_bad_record=skip)")
     _, reward_fn = rewards.reward_for_config(cfg)
     vocab = model_vocab(cfg, tok)
-    memory.check(cfg, vocab)  # before anything large is allocated
+    teacher_spec = teacher.resolve(cfg, tok)  # its configs only: refused before anything large is read
+    memory.check(cfg, vocab, teacher_spec)  # before anything large is allocated
     learner = Learner(cfg, vocab, devices.learner, shared_devices=devices.shared, n_tokens=tok.vocab_size,
-                      horizon=total_steps(cfg, pd))
+                      horizon=total_steps(cfg, pd),
+                      teacher=teacher_spec and teacher.Teacher(teacher_spec, devices.learner, tok.vocab_size))
     eval_set = build_eval_set(cfg, tok) if cfg.eval.every_steps and pi == 0 else None
     engine = make_engine(cfg, learner.graphdef, vocab, devices=devices.engine, all_devices=devices.engine_all)
     ckpt = Checkpointer(run_dir / runfiles.CHECKPOINTS, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)

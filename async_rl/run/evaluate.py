@@ -160,7 +160,7 @@ def make_evaluator(cfg: C.Config, graphdef, vocab_size: int, tok, devices=None, 
     env steps: evaluation runs multi-turn episodes."""
     if not cfg.eval.every_steps:
         return None
-    _, reward_fn = rewards.reward_for_config(cfg)
+    _, reward_fn = rewards.reward_for_config(cfg, held_out=True)
     episodes = None
     if cfg.rollout.env:
         from async_rl.env.interface import load_env, use_env_tools

@@ -7,6 +7,7 @@ import random
 import signal
 import time
 
+import numpy as np
 import pytest
 from helpers import checkpoint_steps, kill9, lineage, run_cli, run_jsonl, run_text, spawn, wait_for_step, wait_until
 
@@ -199,3 +200,25 @@ def test_a_run_stopped_while_its_pump_compiles_exits_cleanly(tmp_path):
             assert not lineage(run) and not checkpoint_steps(run)
             return
     pytest.fail("the signal never found the pump thread inside a compile or device call")
+
+
+@pytest.mark.slow
+def test_a_distilled_run_killed_4_times_ends_with_an_uninterrupted_run_s_weights(tmp_path, xla_cache):
+    """learner.distill: a sample does not carry its teacher logprobs; the step that trains it
+    computes them again from the frozen teacher, so 4 SIGKILLs (inside and after a save, after a
+    step) leave the trained stream, and the weights, as an uninterrupted run's."""
+    t = run_cli(tmp_path / "teacher", "data.num_records=8", "rollout.prompts_per_step=2", "model.n_layers=1",
+                cache=xla_cache)
+    assert t.returncode == 0, t.stderr[-2000:]
+    det = [*BASE, "run.determinism=true", "learner.distill=reverse_kl", f"learner.teacher={tmp_path / 'teacher'}",
+           "rollout.reward=none"]
+    r = run_cli(tmp_path / "clean", *det, cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    clean = json.loads((tmp_path / "clean" / "final.json").read_text())
+    kills = [("at", "ckpt_write:2"), ("at", "ckpt_saved:4"), ("at", "step:6"), ("at", "ckpt_write:9")]
+    final = crash_and_finish(tmp_path / "crashed", det, xla_cache, schedule=kills)
+    assert final["delivered"] == 4 and final["step"] == clean["step"] == 16
+    assert final["fingerprint"] == clean["fingerprint"]
+    _check_run(tmp_path / "crashed")
+    kl = [r["learner/distill_reverse_kl"] for r in run_jsonl(tmp_path / "crashed", "metrics.jsonl")]
+    assert len(kl) >= 16 and all(np.isfinite(kl))

@@ -1,0 +1,107 @@
+"""The distillation teacher (`learner.distill`): a frozen model whose logprobs of the student's
+sampled tokens give every completion token an advantage of its own.
+
+Owns: resolving `learner.teacher` (a run directory, read at its newest verified step, or a
+Hugging Face model directory) into the teacher's architecture; refusing, in one line naming
+both, a teacher whose tokenizer is not the student's; and loading its parameters onto the
+learner's mesh (parameters only: no optimizer state, never differentiated); the learner is
+handed the `Teacher`. Does not own: the advantage and loss (`learner.step`, `losses`), reading
+checkpoints (`saved_run`) or HF files (`hf`).
+
+Exactly once (docs/design.md, I1): a sample does not carry its teacher logprobs. The step that
+trains a sample computes them from the frozen teacher and the sample's tokens, so a resumed run
+recomputes them bit-identically (same teacher step, same tokens, same compiled program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from async_rl.config import Config, ConfigError, ModelConfig
+from async_rl.data.tokenizer import HFTokenizer, vocabulary
+from async_rl.model import sharding
+from async_rl.model.transformer import Transformer
+from async_rl.store import runfiles
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSpec:
+    path: str  # learner.teacher as given
+    kind: str  # run | hf
+    model: ModelConfig  # the teacher's architecture (its own; dtypes the student's for an HF teacher)
+    vocab: int  # the teacher's embedding rows
+    step: int | None = None  # a run teacher: the step whose weights are read (set by `load`)
+
+    def describe(self) -> str:
+        m = self.model
+        at = f" step {self.step}" if self.step is not None else ""
+        return (f"{self.kind} {self.path}{at}: {m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads, "
+                f"d_ff {m.d_ff}")
+
+
+def _refuse(path: str, why: str) -> ConfigError:
+    return ConfigError(f"learner.teacher={path!r}: {why}")
+
+
+def resolve(cfg: Config, tok) -> TeacherSpec | None:
+    """The teacher `learner.teacher` names (None without distillation), its files' configs read
+    and its vocabulary checked against the student's tokenizer `tok`; nothing large is read."""
+    if cfg.learner.distill == "none":
+        return None
+    path = cfg.learner.teacher
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise _refuse(path, "no such directory (a run directory or a Hugging Face model directory)")
+    if (where / runfiles.CONFIG).is_file():
+        from async_rl.state.saved_run import open_run
+        try:
+            run = open_run(where)
+        except FileNotFoundError as e:
+            raise _refuse(path, f"not a run with a saved step ({e})") from None
+        spec, teacher_tok = TeacherSpec(path, "run", run.cfg.model, run.vocab), run.tok
+    elif (where / "config.json").is_file():
+        from async_rl.model import hf
+        model = hf.model_config_from_hf(where, dataclasses.replace(cfg.model, hf_path=str(where)))
+        if not (where / "tokenizer.json").is_file():
+            raise _refuse(path, "no tokenizer.json there (its vocabulary must be checked against the student's)")
+        teacher_tok = HFTokenizer(str(where))
+        spec = TeacherSpec(path, "hf", model, model.vocab_size or teacher_tok.vocab_size)
+    else:
+        raise _refuse(path, f"neither a run directory ({runfiles.CONFIG}) nor a Hugging Face model (config.json)")
+    if vocabulary(teacher_tok) != vocabulary(tok):
+        raise _refuse(path, f"its tokenizer {teacher_tok!r} is not the student's {tok!r}: distillation compares "
+                            "the two models' logprobs of the same token ids")
+    return spec
+
+
+class Teacher:
+    """The teacher on the learner's mesh: its graphdef, shardings and (loaded once) parameters."""
+
+    def __init__(self, spec: TeacherSpec, mesh, n_tokens: int = 0):
+        self.spec, self.mesh = spec, mesh
+        abstract = nnx.eval_shape(lambda: Transformer(spec.model, spec.vocab, rngs=nnx.Rngs(0), n_tokens=n_tokens))
+        self.graphdef, self.abstract = nnx.split(abstract, nnx.Param)
+        self.shardings = sharding.param_shardings(self.abstract, mesh)
+        self._params = None
+
+    def params(self, log=print) -> nnx.State:
+        if self._params is None:
+            self._params = self._load(log)
+        return self._params
+
+    def _load(self, log) -> nnx.State:
+        spec = self.spec
+        if spec.kind == "hf":
+            from async_rl.model import hf
+            params = hf.load_params(spec.path, self.abstract, self.shardings)
+        else:
+            from async_rl.state.saved_run import open_run, read_params
+            step, host = read_params(open_run(spec.path), warn=log)
+            self.spec = spec = dataclasses.replace(spec, step=step)
+            params = jax.device_put(host, self.shardings)
+        log(f"teacher: {spec.describe()}")
+        return params
