@@ -96,28 +96,34 @@ def attended_pairs(m: C.ModelConfig, T: int, causal: bool = True) -> float:
     return (m.n_layers - n_local) * full + n_local * (w * T - w * w / 2)
 
 
-def step_flops(cfg: C.Config, vocab: int, causal: bool = True) -> dict[str, float]:
-    """Model FLOPs of one learner step by part (trunk, head, attention), every pass included;
-    `causal`: attention over the causal triangle (False: the full square, as plain XLA
-    attention computes it)."""
-    m = cfg.model
+def pass_flops(cfg: C.Config, m: C.ModelConfig, vocab: int, causal: bool = True) -> dict[str, float]:
+    """Model FLOPs of one forward pass of model `m` over a step's rows, by part."""
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     N = cfg.rollout.max_new_tokens
     T = cfg.engine.max_prompt_len + N
-    per_pass = {"trunk": 2.0 * param_counts(m, vocab).matmul * rows * T,
-                "head": 2.0 * m.d_model * vocab * rows * N,
-                "attention": 4.0 * m.n_heads * m.resolved_head_dim * rows * attended_pairs(m, T, causal)}
+    return {"trunk": 2.0 * param_counts(m, vocab).matmul * rows * T, "head": 2.0 * m.d_model * vocab * rows * N,
+            "attention": 4.0 * m.n_heads * m.resolved_head_dim * rows * attended_pairs(m, T, causal)}
+
+
+def step_flops(cfg: C.Config, vocab: int, causal: bool = True, teacher=None) -> dict[str, float]:
+    """Model FLOPs of one learner step by part (trunk, head, attention), every pass included;
+    `causal`: attention over the causal triangle (False: the full square, as plain XLA
+    attention computes it); `teacher` (a `TeacherSpec`): its one forward pass added."""
     fb, fwd = passes(cfg)
-    return {k: (3 * fb + fwd) * v for k, v in per_pass.items()}
+    out = {k: (3 * fb + fwd) * v for k, v in pass_flops(cfg, cfg.model, vocab, causal).items()}
+    if teacher is not None:
+        out.update({f"teacher {k}": v for k, v in pass_flops(cfg, teacher.model, teacher.vocab, causal).items()})
+    return out
 
 
-def kernel_flops(cfg: C.Config, backward: int = 7) -> float:
+def kernel_flops(cfg: C.Config, backward: int = 7, teacher=None) -> float:
     """FLOPs inside fused attention kernels: per causal matmul H hd T^2 per row and layer; 2
     in the forward, `backward` in the backward (splash 7: dq 3, dk/dv 4; cuDNN 5: scores,
-    dP, dV, dK, dQ), 2 more when blocks are rematerialised."""
-    m, lc = cfg.model, cfg.learner
+    dP, dV, dK, dQ), 2 more when blocks are rematerialised; `teacher`'s one forward added."""
+    lc = cfg.learner
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     T = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
-    unit = 2 * m.n_heads * m.resolved_head_dim * rows * attended_pairs(m, T)
+    unit = lambda m: 2 * m.n_heads * m.resolved_head_dim * rows * attended_pairs(m, T)  # noqa: E731
     fb, fwd = passes(cfg)
-    return unit * (fb * (2 + backward + 2 * (lc.remat != "none")) + 2 * fwd)
+    out = unit(cfg.model) * (fb * (2 + backward + 2 * (lc.remat != "none")) + 2 * fwd)
+    return out + (2 * unit(teacher.model) if teacher is not None else 0.0)

@@ -99,6 +99,7 @@ class Part:
     bytes_accessed: float = 0.0
     model_flops: float = 0.0
     error: str = ""
+    teacher_bytes: int = 0  # learner: a distillation teacher's parameters on a chip (learner.distill)
     kv_bytes: int = 0  # engine: the KV cache's share on a chip
     sequences: int = 0  # engine: the sequences its KV cache holds at once (slots)
     kv_tokens: int = 0  # engine: tokens its KV cache has room for (slots x width, or a pool's pages x page size)
@@ -190,9 +191,12 @@ def _abstract_batch(learner, rows: int, width: int, new: int) -> dict:
     return {k: jax.ShapeDtypeStruct(s, dt, sharding=sh[k]) for k, (s, dt) in shapes.items()}
 
 
-def _lower(cfg: C.Config, vocab: int, mesh: Mesh, unroll: bool):
+def _lower(cfg: C.Config, vocab: int, mesh: Mesh, unroll: bool, teacher_spec=None):
+    """(learner, abstract state, second argument, batch, teacher parameters or None, lowered step)."""
     from async_rl.learner.step import Learner
-    learner = Learner(cfg, vocab, mesh, log=lambda _: None, unroll=unroll)
+    from async_rl.state.teacher import Teacher
+    t = Teacher(teacher_spec, mesh) if teacher_spec is not None else None
+    learner = Learner(cfg, vocab, mesh, log=lambda _: None, unroll=unroll, teacher=t)
     state = learner.abstract_state()
     ref = state["params"] if learner.use_ref else None
     if learner.lora is not None:  # the frozen base goes where the reference would
@@ -201,7 +205,9 @@ def _lower(cfg: C.Config, vocab: int, mesh: Mesh, unroll: bool):
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     batch = _abstract_batch(learner, rows, cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens,
                             cfg.rollout.max_new_tokens)
-    return learner, state, ref, batch, learner._step.lower(state, ref, batch)
+    tp = () if t is None else (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                            t.abstract, t.shardings),)
+    return learner, state, ref, batch, (tp or (None,))[0], learner._step.lower(state, ref, batch, *tp)
 
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)", re.S)
@@ -229,9 +235,11 @@ def peak_bytes(ma) -> int:
     return ma.argument_size_in_bytes + ma.temp_size_in_bytes + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
 
 
-def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool = True) -> Part:
-    """Compiles the step; on success also the two cost twins (unless `cost` is False)."""
-    learner, state, ref, batch, lowered = _lower(cfg, vocab, mesh, unroll=False)
+def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool = True, teacher=None) -> Part:
+    """Compiles the step (with learner.distill's `teacher`, a `TeacherSpec`, its forward pass and
+    its parameters); on success also the two cost twins (unless `cost` is False)."""
+    learner, state, ref, batch, tparams, lowered = _lower(cfg, vocab, mesh, unroll=False, teacher_spec=teacher)
+    t_bytes = _shard_bytes(tparams) if tparams is not None else 0
     t0 = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -239,7 +247,7 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
         msg = str(e)
         need = _oom_bytes(msg)
         return Part("learner", False, time.perf_counter() - t0, params_bytes=_shard_bytes(state["params"]),
-                    opt_bytes=_shard_bytes(state["opt"]), total_bytes=need or 0,
+                    opt_bytes=_shard_bytes(state["opt"]), total_bytes=need or 0, teacher_bytes=t_bytes,
                     error=msg.splitlines()[0][:400] if need is None else f"needs {need / GiB:.2f} GiB per chip",
                     mesh=mesh)
     compile_s = time.perf_counter() - t0
@@ -250,13 +258,16 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
     total = peak_bytes(ma)
     part = Part("learner", total <= chip.hbm_bytes, compile_s, params_bytes=params, opt_bytes=opt,
                 batch_bytes=batch_b, temp_bytes=ma.temp_size_in_bytes, other_bytes=other + args - params - opt
-                - batch_b - (_shard_bytes(ref) if ref is not None else 0), total_bytes=total, mesh=mesh)
-    part.model_flops = sum(flops.step_flops(cfg, vocab).values()) / mesh.size
+                - batch_b - t_bytes - (_shard_bytes(ref) if ref is not None else 0), total_bytes=total, mesh=mesh,
+                teacher_bytes=t_bytes)
+    part.model_flops = sum(flops.step_flops(cfg, vocab, teacher=teacher).values()) / mesh.size
     part.attention = attention_used(learner, compiled)
     if cost:
-        part.flops, part.bytes_accessed = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled))))
+        part.flops, part.bytes_accessed = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled)),
+                                                                        teacher))
         if part.attention.startswith(("splash", "cuDNN")):
-            part.kernel_flops = flops.kernel_flops(cfg, backward=7 if learner.attn.impl == "splash" else 5) / mesh.size
+            part.kernel_flops = flops.kernel_flops(cfg, backward=7 if learner.attn.impl == "splash" else 5,
+                                                   teacher=teacher) / mesh.size
             part.flops += part.kernel_flops
     return part
 
@@ -273,7 +284,7 @@ def attention_used(learner, compiled) -> str:
     return {"blockwise": "blockwise XLA attention", "xla": "XLA attention (whole score matrix)"}.get(impl, impl)
 
 
-def _loop_cost(cfg: C.Config, learner, mesh: Mesh, counted: np.ndarray) -> np.ndarray:
+def _loop_cost(cfg: C.Config, learner, mesh: Mesh, counted: np.ndarray, teacher=None) -> np.ndarray:
     """Per-chip (FLOPs, bytes accessed) of the step with every loop iteration counted.
 
     `counted` is XLA's cost of the compiled step, where each loop body counts once: one
@@ -281,7 +292,8 @@ def _loop_cost(cfg: C.Config, learner, mesh: Mesh, counted: np.ndarray) -> np.nd
     nearly all of a step, so their costs are compiled on their own at one micro-batch's
     shape (a layer: 2 layers minus 1, unrolled, forward and backward with the step's remat
     and kernel) and added for every iteration the step runs beyond the one counted. What
-    is not scaled (embedding, loss, accumulation: once per micro-batch) is small."""
+    is not scaled (embedding, loss, accumulation: once per micro-batch) is small. A teacher's
+    forward pass (once over the step's rows, in micro-batches) is scaled the same way."""
     lc, m = cfg.learner, cfg.model
     rows, N = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, learner.N
     per_update = rows // lc.minibatches
@@ -300,6 +312,11 @@ def _loop_cost(cfg: C.Config, learner, mesh: Mesh, counted: np.ndarray) -> np.nd
                                                                                          False)
         for n in fwd_passes:
             total = total + (n * m.n_layers - seen) * layer_f + (n * n_c - 1) * chunk_f
+    if teacher is not None:
+        tc, t_layers = dataclasses.replace(cfg, model=teacher.model), teacher.model.n_layers
+        t_seen = t_layers if learner._layer_unroll is True else 1
+        layer_t, chunk_t = _layer_cost(tc, learner, mesh, R, grad=False), _chunk_cost(tc, learner, mesh, R, chunk, False)
+        total = total + (rows // R * t_layers - t_seen) * layer_t + (rows // R * n_c - 1) * chunk_t
     return total
 
 
@@ -470,7 +487,8 @@ def plan(cfg: C.Config, topology_name: str, *, config_name: str = "", hbm_gib: f
     if not vocab:
         raise C.ConfigError("model.vocab_size=0: plan needs the vocabulary size (set it, or model.hf_path)")
     rep = Report(config_name, topology_name, chip, len(devices), dict(mesh.shape))
-    rep.parts["learner"] = part = learner_part(cfg, vocab, mesh, chip, cost=cost)
+    from async_rl.state.teacher import resolve
+    rep.parts["learner"] = part = learner_part(cfg, vocab, mesh, chip, cost=cost, teacher=resolve(cfg, None))
     if engine:  # each process runs one engine over its share: the first process's stands for all
         rep.parts["engine"] = ep = engine_part(cfg, vocab, split.engine, chip, cost=cost)
         if split.shared and part.fits and ep.fits:  # shared chips: each beside the other's resident state
@@ -501,6 +519,8 @@ def format_report(rep: Report) -> str:
              f"learner step, per chip (XLA memory analysis; compiled in {lp.compile_s:.1f} s"
              + (f"; attention: {lp.attention}" if lp.attention else "") + "):",
              f"  parameters       {g(lp.params_bytes)}", f"  optimizer state  {g(lp.opt_bytes)}"]
+    if lp.teacher_bytes:
+        lines.append(f"  teacher          {g(lp.teacher_bytes)}  (learner.distill: parameters only)")
     if lp.error:
         lines.append(f"  total            {g(lp.total_bytes)}  ({lp.error})" if lp.total_bytes else f"  {lp.error}")
     else:

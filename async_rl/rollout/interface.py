@@ -133,6 +133,12 @@ class BuiltinRollout:
             self.decode_state = self.engine.refuse(self.decode_state, refused)
         return [s for s, a in zip(conts, ok) if a]
 
+    def room(self, slots: list[int]) -> int:
+        """How many of these free slots are worth new samples now (a paged engine short of pages
+        would refuse the rest); every one for the slot engine."""
+        room = getattr(self.engine, "room", None)
+        return len(slots) if room is None else room(self.decode_state, slots)
+
     @property
     def evictions(self) -> int:
         """Samples a paged engine evicted or refused for want of pages (0 for others)."""

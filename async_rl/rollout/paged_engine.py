@@ -93,6 +93,18 @@ class PagedEngine(Engine):
             spare -= need if out[-1] else 0
         return out
 
+    def room(self, decode_state: DecodeState, slots: list[int]) -> int:
+        """How many of these free slots to offer new samples now: the pages free, or held only by
+        prefill rows or by these slots' ended samples, less a call's growth for every live sample
+        (what they take before anything new does), over the least a new sample takes (its copied
+        page and its first call's). Offering more only has samples refused and offered again."""
+        p, pool, k = self.page_size, self.pool, self.steps_per_call
+        ended = set(slots)
+        spare = pool.free + sum(int((pool.refs[pool.pages(h)] == 1).sum()) for h in pool.holders()
+                                if isinstance(h, tuple) or h in ended)
+        live = int(decode_state.host.active_S.sum()) - sum(bool(decode_state.host.active_S[s]) for s in slots)
+        return max(0, min(len(slots), (spare - live * (-(-k // p))) // (pool.pages_for(k) + 1)))
+
     def refuse(self, decode_state: DecodeState, slots) -> DecodeState:
         """Slots whose samples were not admitted: free, and reported by `take_evicted`."""
         slots = [int(s) for s in slots]

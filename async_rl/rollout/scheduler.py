@@ -123,7 +123,7 @@ class Scheduler:
         fetched: _Fetched | None = None
         while not stop():
             with self.lock:
-                fill = self.source.fill(self._free(), not self.idle)
+                fill = self.source.fill(self._offered(), not self.idle)
                 for start, occ in zip(fill.starts, fill.occupants, strict=True):
                     self.slots[start.slot], self._room_S[start.slot] = occ, start.budget
             if not fill.starts and self.idle:
@@ -157,6 +157,13 @@ class Scheduler:
         self.rollout.stop(list(slots))
         for slot in slots:
             self.slots[slot] = None
+
+    def _offered(self) -> list[int]:
+        """The free slots offered to the source: those the rollout has room for while samples
+        run (when none does, every free slot: what is in the way is dropped to make room)."""
+        free = self._free()
+        room = getattr(self.rollout, "room", None)
+        return free if room is None or self.idle else free[:room(free)]
 
     def _free(self) -> list[int]:
         # a slot whose sample ended in the fetched chunk is refilled before that chunk is recorded

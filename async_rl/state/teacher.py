@@ -32,7 +32,7 @@ from async_rl.store import runfiles
 class TeacherSpec:
     path: str  # learner.teacher as given
     kind: str  # run | hf
-    model: ModelConfig  # the teacher's architecture (its own; dtypes the student's for an HF teacher)
+    model: ModelConfig  # the teacher's architecture; its parameters held in its compute dtype (forward only)
     vocab: int  # the teacher's embedding rows
     step: int | None = None  # a run teacher: the step whose weights are read (set by `load`)
 
@@ -49,7 +49,9 @@ def _refuse(path: str, why: str) -> ConfigError:
 
 def resolve(cfg: Config, tok) -> TeacherSpec | None:
     """The teacher `learner.teacher` names (None without distillation), its files' configs read
-    and its vocabulary checked against the student's tokenizer `tok`; nothing large is read."""
+    and its vocabulary checked against the student's tokenizer `tok`; nothing large is read.
+    `tok` None (`async-rl plan`): only the architecture, from a run's config.yaml or an HF
+    directory's config.json alone (no tokenizer, no weights needed)."""
     if cfg.learner.distill == "none":
         return None
     path = cfg.learner.teacher
@@ -66,13 +68,16 @@ def resolve(cfg: Config, tok) -> TeacherSpec | None:
     elif (where / "config.json").is_file():
         from async_rl.model import hf
         model = hf.model_config_from_hf(where, dataclasses.replace(cfg.model, hf_path=str(where)))
+        if tok is None:
+            return TeacherSpec(path, "hf", dataclasses.replace(model, param_dtype=model.dtype), model.vocab_size)
         if not (where / "tokenizer.json").is_file():
             raise _refuse(path, "no tokenizer.json there (its vocabulary must be checked against the student's)")
         teacher_tok = HFTokenizer(str(where))
         spec = TeacherSpec(path, "hf", model, model.vocab_size or teacher_tok.vocab_size)
     else:
         raise _refuse(path, f"neither a run directory ({runfiles.CONFIG}) nor a Hugging Face model (config.json)")
-    if vocabulary(teacher_tok) != vocabulary(tok):
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, param_dtype=spec.model.dtype))
+    if tok is not None and vocabulary(teacher_tok) != vocabulary(tok):
         raise _refuse(path, f"its tokenizer {teacher_tok!r} is not the student's {tok!r}: distillation compares "
                             "the two models' logprobs of the same token ids")
     return spec
@@ -102,6 +107,7 @@ class Teacher:
             from async_rl.state.saved_run import open_run, read_params
             step, host = read_params(open_run(spec.path), warn=log)
             self.spec = spec = dataclasses.replace(spec, step=step)
-            params = jax.device_put(host, self.shardings)
+            params = jax.tree.map(lambda x, a, s: jax.device_put(x.astype(a.dtype), s), host, self.abstract,
+                                  self.shardings)
         log(f"teacher: {spec.describe()}")
         return params

@@ -139,3 +139,31 @@ def test_a_teacher_too_large_to_fit_beside_the_student_is_refused_before_it_is_r
     with pytest.raises(C.ConfigError, match=r"the run needs at least .* teacher \d+(\.\d+)? [GT]iB"):
         train(cfg(tmp_path / "run", "learner.distill=reverse_kl", f"learner.teacher={big}"))
     assert not (tmp_path / "run" / "lineage.jsonl").exists()
+
+
+def test_masked_tokens_are_never_distilled_and_a_lora_student_learns_from_the_teacher(teacher_run):
+    """An env's observation tokens (and padding) are out of the loss mask: their distillation
+    advantage is 0 whatever the teacher says. A LoRA student trains its adapters alone."""
+    cfg = student_cfg(teacher_run, "learner.lora_rank=4")
+    spec = teacher.resolve(cfg, CharTokenizer())
+    rows = random_rows(cfg, seed=5)
+    b = batch_of(cfg, rows)
+    hole = b.mask_BxN.copy()
+    hole[:, 1] = False  # column 1 of every row: an observation the env wrote
+    b = dataclasses.replace(b, mask_BxN=hole)
+    mesh = sharding.make_devices(cfg.mesh).learner
+    learner = Learner(cfg, CHAR_VOCAB, mesh, log=lambda m: None, teacher=teacher.Teacher(spec, mesh, CHAR_VOCAB),
+                      n_tokens=CHAR_VOCAB)
+    d = b.device_dict()
+    rows_d = dict(d, mask_BxN=d["mask_BxN"] & d["row_valid_B"][:, None])
+    adv, _ = jax.jit(lambda tp, r: learner._distill(tp, r, jnp.zeros(r["rewards_B"].shape)))(
+        learner.teacher.params(), rows_d)
+    adv = np.asarray(adv)
+    assert np.all(adv[:, 1] == 0) and np.all(adv[~np.asarray(rows_d["mask_BxN"])] == 0)
+    assert np.abs(adv[np.asarray(rows_d["mask_BxN"])]).min() > 0
+    state = learner.init_state(learner.init_params())
+    before = jax.device_get(state["params"])
+    state, metrics = learner.step(state, b)
+    after = jax.device_get(state["params"])
+    assert np.isfinite(float(metrics["learner/distill_reverse_kl"]))
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)))

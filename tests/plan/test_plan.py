@@ -2,6 +2,7 @@
 step, loop iterations counted in the cost, the fit verdict, exit codes and --json; with
 libtpu installed, also the decode step as the TPU compiler lays it out."""
 
+import dataclasses
 import json
 import re
 
@@ -77,9 +78,9 @@ def test_cost_counts_every_loop_iteration(monkeypatch):
     mesh = sharding.learner_mesh(jax.devices()[:4], cfg.mesh)
     counted = []  # XLA's own cost of the scanned step the plan compiled (each loop body once)
     loop_cost = PL._loop_cost
-    monkeypatch.setattr(PL, "_loop_cost", lambda c, l, m, xla: (counted.append(xla), loop_cost(c, l, m, xla))[1])
+    monkeypatch.setattr(PL, "_loop_cost", lambda c, l, m, xla, t=None: (counted.append(xla), loop_cost(c, l, m, xla, t))[1])
     part = PL.learner_part(cfg, 64, mesh, chips.NOMINAL_CPU)
-    _, _, _, _, lowered = PL._lower(cfg, 64, mesh, unroll=True)
+    _, _, _, _, _, lowered = PL._lower(cfg, 64, mesh, unroll=True)
     xla_flops, nbytes = PL._cost(lowered.compile())
     assert part.flops == pytest.approx(xla_flops, rel=0.05)
     assert counted[0][0] < 0.7 * xla_flops  # what XLA alone says of the scanned step
@@ -122,7 +123,7 @@ def test_engine_part_splits_weights_and_cache_and_counts_every_layer(monkeypatch
     cfg = cfg_of("engine.tensor=2", "engine.max_concurrent_decodes=8", "model.n_kv_heads=2")
     # the learner's part without its cost compiles (test_cost_counts_every_loop_iteration checks those)
     learner_part = PL.learner_part
-    monkeypatch.setattr(PL, "learner_part", lambda *a, cost=True: learner_part(*a, cost=False))
+    monkeypatch.setattr(PL, "learner_part", lambda *a, cost=True, **kw: learner_part(*a, cost=False, **kw))
     rep = PL.plan(cfg, "cpu:4")
     ep = rep.parts["engine"]
     m, width = cfg.model, 8 + 8
@@ -148,7 +149,7 @@ def test_a_paged_engine_counts_a_sample_by_the_pages_it_holds(monkeypatch):
     prompt page of its own; its prompt's whole pages are shared by its group of 4."""
     cfg = cfg_of("engine.kv_layout=paged", "engine.page_size=4", "engine.max_concurrent_decodes=8")
     learner_part = PL.learner_part
-    monkeypatch.setattr(PL, "learner_part", lambda *a, cost=True: learner_part(*a, cost=False))
+    monkeypatch.setattr(PL, "learner_part", lambda *a, cost=True, **kw: learner_part(*a, cost=False, **kw))
     rep = PL.plan(cfg, "cpu:4")
     ep = rep.parts["engine"]
     m = cfg.model
@@ -298,3 +299,27 @@ def test_sliding_window_layers_count_only_the_pairs_they_attend():
     assert flops.attended_pairs(wide.model, T) == 3 * T * T / 2
     assert flops.step_flops(cfg, 64)["attention"] < flops.step_flops(wide, 64)["attention"]
     assert flops.kernel_flops(cfg) < flops.kernel_flops(wide)
+
+
+@pytest.mark.slow
+def test_a_distillation_teacher_is_planned_its_parameters_and_its_forward_pass(monkeypatch, tmp_path):
+    """learner.teacher may be a directory holding only an HF config.json (a teacher too large to
+    download for a plan): its parameters are counted per chip and its forward pass in the cost."""
+    from async_rl.model import hf
+    from async_rl.state.teacher import resolve
+    monkeypatch.setattr(Learner, "layer_unroll", staticmethod(lambda platform, n_layers=0: 1))
+    student = cfg_of()
+    big = dataclasses.replace(student.model, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, n_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(big, 64, "float32")))
+    cfg = cfg_of("learner.distill=reverse_kl", f"learner.teacher={tmp_path}", "learner.micro_batch_rows=8")
+    spec = resolve(cfg, None)
+    assert (spec.model.d_model, spec.model.n_layers, spec.vocab) == (64, 4, 64)
+    mesh = sharding.learner_mesh(jax.devices()[:4], cfg.mesh)
+    part = PL.learner_part(cfg, 64, mesh, chips.NOMINAL_CPU, teacher=spec)
+    alone = PL.learner_part(cfg_of("learner.micro_batch_rows=8"), 64, mesh, chips.NOMINAL_CPU, cost=False)
+    assert part.teacher_bytes == pytest.approx(flops.param_count(big, 64) * 4 / 4, rel=0.02)  # over fsdp 4
+    assert part.params_bytes == alone.params_bytes
+    teacher_flops = sum(flops.pass_flops(cfg, big, 64).values()) / 4
+    assert part.model_flops == pytest.approx(alone.model_flops + teacher_flops)
+    *_, lowered = PL._lower(cfg, 64, mesh, unroll=True, teacher_spec=spec)
+    assert part.flops == pytest.approx(PL._cost(lowered.compile())[0], rel=0.05)

@@ -110,3 +110,19 @@ def test_with_one_table_width_a_sample_is_bit_identical_whatever_its_slot_pages_
         for s, t in zip(x, y):
             np.testing.assert_array_equal(s.tokens, t.tokens)
             np.testing.assert_array_equal(s.logprobs, t.logprobs)
+
+
+def test_room_offers_new_samples_only_the_pages_left_beside_the_live_samples_growth(model):
+    """`room`: the pages free (or held only by prefill rows, or by the offered slots' ended
+    samples), less a call's growth for each live sample, over what a new sample takes at least
+    (its copied page and its first call's). K = 3 tokens a call, pages of 4: a new sample 2 pages."""
+    graphdef, params = model
+    for pool_tokens, want_one, want_ended in ((48, 1, 3), (24, 0, 1)):  # 12 pages; 6, one sequence's least
+        eng = build(graphdef, PagedEngine, page_size=4, pool_tokens=pool_tokens)
+        st = eng.init_decode_state()
+        assert eng.room(st, [0, 1, 2, 3]) == min(4, eng.pool.free // 2)
+        prefix = eng.prefill(eng.load_params(params), np.arange(4, 11, dtype=np.int32))
+        st = eng.insert_many(prefix, st, [(s, 0, 0, s) for s in range(3)])  # 7 tokens: the row's 2 pages, 1 copy each
+        assert eng.pool.free == eng.pool.n_pages - 1 - 5
+        assert eng.room(st, [3]) == want_one  # 48: (7 free + the row's own page - 3 growing) // 2; 24: none
+        assert eng.room(st, [1, 2, 3]) == want_ended  # slots 1, 2 ended: their copies are spare, they do not grow
