@@ -200,14 +200,14 @@ def _lower(cfg: C.Config, vocab: int, mesh: Mesh, unroll: bool, teacher_spec=Non
     state = learner.abstract_state()
     ref = state["params"] if learner.use_ref else None
     if learner.lora is not None:  # the frozen base goes where the reference would
-        ref = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), learner.abstract_base,
-                           learner.base_sh)
+        ref = _placed(learner.abstract_base, learner.base_sh)
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     batch = _abstract_batch(learner, rows, cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens,
                             cfg.rollout.max_new_tokens)
-    tp = () if t is None else (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                            t.abstract, t.shardings),)
-    return learner, state, ref, batch, (tp or (None,))[0], learner._step.lower(state, ref, batch, *tp)
+    if t is None:
+        return learner, state, ref, batch, None, learner._step.lower(state, ref, batch)
+    tp = _placed(t.abstract, t.shardings)
+    return learner, state, ref, batch, tp, learner._step.lower(state, ref, batch, tp)
 
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)", re.S)
@@ -324,6 +324,11 @@ def _abstract(shape, dtype, sh):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
 
+def _placed(abstract, shardings):
+    """An abstract tree with each leaf given its sharding (a lowering's argument)."""
+    return jax.tree.map(lambda a, s: _abstract(a.shape, a.dtype, s), abstract, shardings)
+
+
 def _model_at(cfg: C.Config, learner, layers: int):
     from flax import nnx
 
@@ -331,9 +336,7 @@ def _model_at(cfg: C.Config, learner, layers: int):
     mc = dataclasses.replace(cfg.model, n_layers=layers)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(mc, learner.vocab_size, rngs=nnx.Rngs(0))),
                                  nnx.Param)
-    sh = sharding.param_shardings(params, learner.mesh)
-    params = jax.tree.map(lambda a, s: _abstract(a.shape, a.dtype, s), params, sh)
-    return graphdef, params
+    return graphdef, _placed(params, sharding.param_shardings(params, learner.mesh))
 
 
 def _layer_cost(cfg: C.Config, learner, mesh: Mesh, rows: int, grad: bool) -> np.ndarray:

@@ -85,8 +85,7 @@ class PagedEngine(Engine):
         now, each counted as needing its row's pages of its own: a rollout asks before it
         prefills a continuation that could not go in."""
         p, pool = self.page_size, self.pool
-        spare = pool.free + sum(int((pool.refs[pool.pages(h)] == 1).sum()) for h in pool.holders() if isinstance(h, tuple))
-        out = []
+        spare, out = self._spare(), []
         for n in sizes:
             need = pool.pages_for(n) + pool.pages_for(n + self.steps_per_call) - n // p
             out.append(need <= spare)
@@ -98,12 +97,17 @@ class PagedEngine(Engine):
         prefill rows or by these slots' ended samples, less a call's growth for every live sample
         (what they take before anything new does), over the least a new sample takes (its copied
         page and its first call's). Offering more only has samples refused and offered again."""
-        p, pool, k = self.page_size, self.pool, self.steps_per_call
-        ended = set(slots)
-        spare = pool.free + sum(int((pool.refs[pool.pages(h)] == 1).sum()) for h in pool.holders()
-                                if isinstance(h, tuple) or h in ended)
-        live = int(decode_state.host.active_S.sum()) - sum(bool(decode_state.host.active_S[s]) for s in slots)
-        return max(0, min(len(slots), (spare - live * (-(-k // p))) // (pool.pages_for(k) + 1)))
+        k, active = self.steps_per_call, decode_state.host.active_S
+        live = int(active.sum()) - sum(bool(active[s]) for s in slots)
+        growth = live * self.pool.pages_for(k)
+        return max(0, min(len(slots), (self._spare(slots) - growth) // (self.pool.pages_for(k) + 1)))
+
+    def _spare(self, slots=()) -> int:
+        """Pages a new sample could have now: free, or held only by prefill rows (`_reclaim`
+        drops those first) or by `slots` (samples that ended, their pages not yet released)."""
+        pool, ended = self.pool, set(slots)
+        return pool.free + sum(int((pool.refs[pool.pages(h)] == 1).sum()) for h in pool.holders()
+                               if isinstance(h, tuple) or h in ended)
 
     def refuse(self, decode_state: DecodeState, slots) -> DecodeState:
         """Slots whose samples were not admitted: free, and reported by `take_evicted`."""

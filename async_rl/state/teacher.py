@@ -68,12 +68,11 @@ def resolve(cfg: Config, tok) -> TeacherSpec | None:
     elif (where / "config.json").is_file():
         from async_rl.model import hf
         model = hf.model_config_from_hf(where, dataclasses.replace(cfg.model, hf_path=str(where)))
-        if tok is None:
-            return TeacherSpec(path, "hf", dataclasses.replace(model, param_dtype=model.dtype), model.vocab_size)
-        if not (where / "tokenizer.json").is_file():
-            raise _refuse(path, "no tokenizer.json there (its vocabulary must be checked against the student's)")
-        teacher_tok = HFTokenizer(str(where))
-        spec = TeacherSpec(path, "hf", model, model.vocab_size or teacher_tok.vocab_size)
+        spec, teacher_tok = TeacherSpec(path, "hf", model, model.vocab_size), None
+        if tok is not None:
+            if not (where / "tokenizer.json").is_file():
+                raise _refuse(path, "no tokenizer.json there (its vocabulary must be checked against the student's)")
+            teacher_tok = HFTokenizer(str(where))
     else:
         raise _refuse(path, f"neither a run directory ({runfiles.CONFIG}) nor a Hugging Face model (config.json)")
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, param_dtype=spec.model.dtype))

@@ -32,16 +32,6 @@ def tiny_prompts():
     return [rs.randint(4, V, rs.randint(1, P + 1)).astype(np.int32) for _ in range(7)]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return tiny_prompts()
-
-
 def make_engine(graphdef, *, slots=4, temperature=0.0, top_k=0, top_p=1.0, devices="one", **kw):
     devices = jax.devices()[:1] if devices == "one" else devices
     return Engine(CFG, graphdef, vocab_size=V, slots=slots, max_prompt_len=P, max_new_tokens=N,

@@ -5,7 +5,7 @@ continue from their recorded tokens, none lost and none generated twice."""
 import jax
 import numpy as np
 import pytest
-from test_engine import CFG, EOS, P, V, tiny_model, tiny_prompts
+from test_engine import CFG, EOS, P, V, tiny_model
 
 from async_rl.config import ModelConfig
 from async_rl.rollout.decoding import generate_all
@@ -15,16 +15,6 @@ from async_rl.rollout.paged_engine import PagedEngine
 N = 12  # longer than the slot engine tests' samples: the pool runs out mid-sample
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return tiny_prompts()
 
 
 def build(graphdef, cls=Engine, cfg=CFG, **kw):
