@@ -138,6 +138,11 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # attention scores are q.k / sqrt(this); 0 = head_dim
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = off
     learned_positions: int = 0  # learned absolute position table over columns (>= P + N); 0 = RoPE only
+    n_experts: int = 0  # mixture of experts (Qwen3-MoE): routed experts per block; 0 = a dense MLP in every block
+    n_experts_per_token: int = 0  # MoE: experts each token is routed to (top-k), 1 .. n_experts
+    d_ff_expert: int = 0  # MoE: each expert's SwiGLU hidden width, units
+    norm_topk_prob: bool = True  # MoE: a token's top-k routing weights renormalised to sum to 1
+    router_aux_coef: float = 0.001  # MoE: weight of the router's load-balancing loss in the learner objective
     dtype: str = "float32"  # activation/compute dtype
     param_dtype: str = "float32"  # parameter storage dtype
     attention: str = "auto"  # full-row attention kernel: auto | xla | blockwise | cudnn | splash
@@ -185,6 +190,25 @@ class ModelConfig:
         _check(not self.rope_local_theta or self.sliding_window, "model.rope_local_theta", self.rope_local_theta,
                "needs model.sliding_window (it is the local layers' base)")
         _check(not (self.gemma and self.learned_positions), "model.learned_positions", self.learned_positions, "must be 0 with model.gemma")
+        self._check_moe()
+
+    def _check_moe(self):
+        _check(self.n_experts >= 0, "model.n_experts", self.n_experts, "must be >= 0 (0 = dense)")
+        _check(math.isfinite(self.router_aux_coef) and self.router_aux_coef >= 0, "model.router_aux_coef",
+               self.router_aux_coef, "must be a finite number >= 0")
+        if not self.n_experts:
+            for k in ("n_experts_per_token", "d_ff_expert"):
+                _check(not getattr(self, k), f"model.{k}", getattr(self, k), "needs model.n_experts > 0")
+            return
+        _check(1 <= self.n_experts_per_token <= self.n_experts, "model.n_experts_per_token", self.n_experts_per_token,
+               f"must be in [1, model.n_experts ({self.n_experts})]")
+        _check(self.d_ff_expert > 0, "model.d_ff_expert", self.d_ff_expert, "must be > 0 with model.n_experts")
+        _check(self.qk_norm and not self.gemma, "model.n_experts", self.n_experts,
+               "needs the Qwen3 block (model.qk_norm=true, model.gemma=false): Qwen3-MoE is the MoE family here")
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: True where attention is sliding-window (local)."""
@@ -396,6 +420,11 @@ class Config:
                 _check(getattr(self.model, k) > 0, f"model.{k}", getattr(self.model, k),
                        "required (no default) unless model.hf_path names a checkpoint")
         s = self.sampler
+        if self.model.moe and self.learner.lora_rank:
+            named = {p for n in self.learner.lora_targets.split(",") for p in LORA_GROUPS.get(n.strip(), (n.strip(),))}
+            mlp = [n for n in LORA_GROUPS["mlp"] if n in named]
+            _check(not mlp, "learner.lora_targets", self.learner.lora_targets, "MoE blocks take no adapters on "
+                   f"their experts ({', '.join(mlp)}); set learner.lora_targets=attention")
         if self.engine.backend == "vllm":
             _check(not self.run.determinism, "run.determinism", True,
                    "needs engine.backend=builtin (vLLM is not bit-identical across kills)")

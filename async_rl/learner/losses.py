@@ -58,7 +58,7 @@ def token_logprobs(logits_BxNxV: jax.Array, tokens_BxN: jax.Array, temperature: 
     return jnp.take_along_axis(logp, tokens_BxN[..., None], axis=-1)[..., 0]
 
 
-MAX_STATS = ("is_weight_max", "logp_diff_max", "ratio_max")
+MAX_STATS = ("is_weight_max", "logp_diff_max", "ratio_max", "expert_load_max")
 
 
 def completion_logprobs(logits_fn, x_BxNxD, tokens_BxN, temperature: float, chunk: int = 0,

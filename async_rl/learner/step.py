@@ -248,19 +248,29 @@ class Learner:
         """The KL reference: the initial weights, or the base without adapters."""
         return nnx.merge(self.base_graphdef, second)
 
-    def _logprobs(self, params, b, second=None):
-        """Completion-token logprobs and entropies; only the Nb predicting columns reach the vocabulary."""
-        return self._model_logprobs(self._model(params, second), b)
-
-    def _model_logprobs(self, model, b):
+    def _model_logprobs(self, model, b, router: bool = False):
+        """(logprobs, entropies) of the completion tokens; `router`: also the MoE router's
+        per-layer statistics (`moe.stats`)."""
         t, n = b["tokens_BxT"].shape[1], b["completion_BxN"].shape[1]
         pb = t - n  # the batch's prompt width; its column 0 is the engine's column P - pb
         x = model.hidden(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"], col_offset=self.P - pb,
                          attn=self.attn, remat=self.cfg.learner.remat, unroll=self.unroll or self._layer_unroll,
-                         gather=self.gather)
+                         gather=self.gather, router=router)
+        x, routed = x if router else (x, None)
         x_c = x[:, pb - 1:pb + n - 1]  # column c-1 predicts column c
-        return losses.completion_logprobs(model.logits, x_c, b["completion_BxN"], self.cfg.engine.temperature,
-                                          self.cfg.learner.logits_chunk, unroll=self.unroll or 1)
+        out = losses.completion_logprobs(model.logits, x_c, b["completion_BxN"], self.cfg.engine.temperature,
+                                         self.cfg.learner.logits_chunk, unroll=self.unroll or 1)
+        return (*out, routed) if router else out
+
+    def _router_loss(self, routed_L, share):
+        """The MoE router's load-balancing loss (model.router_aux_coef x its mean over layers)
+        and statistics, each times `share`, this micro-batch's share of the tokens routed."""
+        aux = routed_L["aux"].mean() * share
+        stats = {"router_aux": jax.lax.stop_gradient(aux),
+                 "router_entropy": jax.lax.stop_gradient(routed_L["entropy"].mean() * share),
+                 "expert_load_max": jax.lax.stop_gradient(routed_L["load"].max())}
+        stats.update({f"expert_load_l{i}": jax.lax.stop_gradient(v * share) for i, v in enumerate(routed_L["load"])})
+        return self.cfg.model.router_aux_coef * aux, stats
 
     def _split(self, rows: dict, k: int) -> dict:
         """[B, ...] -> [k, B / k, ...]: part j holds rows r with r % k == j (each spread over the devices)."""
@@ -277,8 +287,8 @@ class Learner:
     def _loss(self, params, ref_params, mb, denom):
         """One micro-batch's share of the update's loss (its sums over the update's token count)."""
         lc = self.cfg.learner
-        logp, ent = self._logprobs(params, mb, ref_params)
-        mask = mb["mask_BxN"]
+        mask, moe = mb["mask_BxN"], self.cfg.model.moe
+        logp, ent, *routed = self._model_logprobs(self._model(params, ref_params), mb, router=moe)
         low, high = lc.clip_eps_low or lc.clip_eps, lc.clip_eps_high or lc.clip_eps
         loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask, clip_eps=low, clip_high=high,
                                          correction=lc.is_correction, is_cap=lc.is_cap, prox_BxN=mb.get("prox_BxN"),
@@ -292,6 +302,9 @@ class Learner:
         fm = mask.astype(jnp.float32)
         stats["entropy"] = jax.lax.stop_gradient((ent * fm).sum() / denom)
         stats["logp_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(logp - mb["behav_logp_BxN"]), 0.0))
+        if moe:
+            aux, router_stats = self._router_loss(routed[0], mb["router_w_B"].sum())
+            loss, stats = loss + aux, {**stats, **router_stats}
         return loss, stats
 
     def _grads(self, params, ref_params, rows):
@@ -299,6 +312,9 @@ class Learner:
         denom = losses.token_count(rows["mask_BxN"])
         if self.cfg.learner.loss_agg != "token_mean":
             rows = dict(rows, row_w_B=losses.row_weights(rows["mask_BxN"], self.cfg.learner.loss_agg, self.N))
+        if self.cfg.model.moe:  # each row's share of the tokens the router saw (the router's stats are means over them)
+            seen_B = rows["valid_BxT"].sum(1).astype(jnp.float32)
+            rows = dict(rows, router_w_B=seen_B / jnp.maximum(seen_B.sum(), 1.0))
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         k = self._micro_count(rows["mask_BxN"].shape[0])
         if k == 1:

@@ -33,7 +33,7 @@ class Counts:
     embed: int  # parameters of the token embedding and the learned position table
     head: int  # parameters of an untied output projection (0 when tied)
     trunk: int  # parameters of the blocks, all of them
-    matmul: int  # of which the blocks' matmul kernels (q, k, v, o, gate, up, down), parameters
+    matmul: int  # of which the matmul kernels a token runs through (q, k, v, o, gate, up, down; MoE: router, k of E experts)
     other: int  # parameters outside those (the final norm)
 
     @property
@@ -56,8 +56,10 @@ def param_counts(model: C.ModelConfig, vocab: int) -> Counts:
         n = math.prod(v.get_value().shape)
         role = _ROLES.get(str(path[0]), "other")
         out[role] += n
-        if role == "trunk" and path[-1] == "kernel":
+        if role == "trunk" and path[-1] in ("kernel", "router"):
             out["matmul"] += n
+        elif role == "trunk" and str(path[-1]).startswith("experts_"):  # each token runs k of the E experts
+            out["matmul"] += n * model.n_experts_per_token // model.n_experts
     return Counts(**out)
 
 

@@ -44,7 +44,8 @@ class HFError(ConfigError):
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "gemma3": "Gemma3ForConditionalGeneration"}
 # Gemma3TextConfig's defaults: a multimodal gemma3 config.json's text_config often omits them.
 _GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
@@ -138,6 +139,19 @@ def _unsupported(hc: dict, mt: str) -> dict:
             "use_bidirectional_attention": bool(hc.get("use_bidirectional_attention"))}
 
 
+def _moe_fields(hc: dict, mt: str, where: Path) -> dict:
+    """Qwen3-MoE's expert fields; every block must be an MoE one (no dense blocks between)."""
+    if mt != "qwen3_moe":
+        return dict(n_experts=0, n_experts_per_token=0, d_ff_expert=0)
+    if int(hc.get("decoder_sparse_step", 1)) != 1 or hc.get("mlp_only_layers"):
+        key = "mlp_only_layers" if hc.get("mlp_only_layers") else "decoder_sparse_step"
+        raise HFError(f"{where}: {key}={hc.get(key)!r}: dense blocks between MoE blocks are not supported "
+                      "(every block must be an MoE one: decoder_sparse_step 1, mlp_only_layers [])")
+    return dict(n_experts=int(hc["num_experts"]), n_experts_per_token=int(hc["num_experts_per_tok"]),
+                d_ff_expert=int(hc["moe_intermediate_size"]), norm_topk_prob=bool(hc.get("norm_topk_prob", True)),
+                router_aux_coef=float(hc.get("router_aux_loss_coef", 0.001)))
+
+
 def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
     """`base` with every architecture field taken from `path/config.json`; dtypes stay the base's."""
     hc = read_config(path)
@@ -162,8 +176,8 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
                       head_dim=int(hc.get("head_dim") or int(hc["hidden_size"]) // heads),
                       d_ff=int(hc["intermediate_size"]), norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
                       tie_embeddings=bool(hc.get("tie_word_embeddings", False)), qkv_bias=mt == "qwen2",
-                      qk_norm=mt in ("qwen3", "gemma3", "gemma3_text"), gemma=gemma,
-                      learned_positions=0, **_rope_fields(hc, where))
+                      qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"), gemma=gemma,
+                      learned_positions=0, **_rope_fields(hc, where), **_moe_fields(hc, mt, where))
         if gemma:
             local = (hc.get("rope_parameters") or {}).get("sliding_attention") or {}
             fields.update(sliding_window=int(hc["sliding_window"]), global_every=_global_every(hc, where),
@@ -172,6 +186,10 @@ def model_config_from_hf(path: str | Path, base: ModelConfig) -> ModelConfig:
                           final_logit_softcap=float(hc.get("final_logit_softcapping") or 0.0))
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise HFError(f"{where}: missing or invalid field ({type(e).__name__}: {e})") from None
+    try:
+        dataclasses.replace(base, **fields)
+    except ConfigError as e:
+        raise HFError(f"{where}: {e}") from None
     for k, v in fields.items():  # JSON's NaN and Infinity parse; a model built on them is NaN throughout
         if isinstance(v, float) and not math.isfinite(v):
             raise HFError(f"{where}: model.{k}={v} is not a finite number")
@@ -206,6 +224,9 @@ _NAMES = [
     (r"layers\.attn\.([qkvo])\.kernel", "model.layers.{i}.self_attn.{0}_proj.weight", True),
     (r"layers\.attn\.([qkv])\.bias", "model.layers.{i}.self_attn.{0}_proj.bias", False),
     (r"layers\.mlp\.(gate|up|down)\.kernel", "model.layers.{i}.mlp.{0}_proj.weight", True),
+    # MoE: the router is HF's mlp.gate; our [E, D, F] experts are one HF tensor per expert
+    (r"layers\.mlp\.router", "model.layers.{i}.mlp.gate.weight", True),
+    (r"layers\.mlp\.experts_(gate|up|down)", "model.layers.{i}.mlp.experts.{e}.{0}_proj.weight", True),
 ]
 _QK_NORM = (r"layers\.attn\.([qk])_norm\.scale", "model.layers.{i}.self_attn.{0}_norm.weight", False)
 # Gemma 3 has four norms per block: its post_attention_layernorm is the attention output's
@@ -230,23 +251,28 @@ def is_gemma(named_paths) -> bool:
 
 def hf_name(ours: str, gemma: bool = False) -> tuple[str, bool]:
     """(HF tensor name, transposed) for our dotted parameter path; a stacked block
-    parameter's name keeps an `{i}` for the layer index. `gemma`: the model is Gemma 3."""
+    parameter's name keeps an `{i}` for the layer index (and an MoE expert's an `{e}` for the
+    expert). `gemma`: the model is Gemma 3."""
     m = re.fullmatch(r"layers\.(\d+)\.(.*)", ours)
     path, layer = (f"layers.{m.group(2)}", m.group(1)) if m else (ours, None)
     for pat, tmpl, transposed in (_GEMMA_NAMES if gemma else []) + [_QK_NORM] + _NAMES:
         mm = re.fullmatch(pat, path)
         if mm:
-            name = tmpl.format(*mm.groups(), i="{i}" if layer is None else layer)
+            name = tmpl.format(*mm.groups(), i="{i}" if layer is None else layer, e="{e}")
             return name, transposed
     raise HFError(f"parameter {ours!r} has no Hugging Face Llama/Qwen/Gemma equivalent")
 
 
-def hf_tensors(ours: str, shape: tuple, gemma: bool = False) -> list[tuple[str, str, int | None, bool]]:
-    """[(HF name, our name for messages, layer index into our leading axis or None, transposed)]."""
+def hf_tensors(ours: str, shape: tuple, gemma: bool = False) -> list[tuple[str, str, tuple | None, bool]]:
+    """[(HF name, our name for messages, index into our leading axes or None, transposed)]: the
+    index is (layer,) for a stacked block parameter, (layer, expert) for an MoE expert's."""
     name, transposed = hf_name(ours, gemma)
     if "{i}" not in name:
         return [(name, ours, None, transposed)]
-    return [(name.format(i=i), f"{ours}[{i}]", i, transposed) for i in range(shape[0])]
+    if "{e}" not in name:
+        return [(name.format(i=i), f"{ours}[{i}]", (i,), transposed) for i in range(shape[0])]
+    return [(name.format(i=i, e=e), f"{ours}[{i}, {e}]", (i, e), transposed)
+            for i in range(shape[0]) for e in range(shape[1])]
 
 
 def _flat(tree) -> tuple[list[tuple[str, Any]], Any]:
@@ -374,22 +400,23 @@ class _Checkpoint:
 
 @functools.lru_cache(maxsize=None)
 def _layer_writer(sharding):
-    # in place (donated): the stacked array is written one layer at a time on its devices
-    return jax.jit(lambda a, piece, i: jax.lax.dynamic_update_slice_in_dim(a, piece, i, 0), donate_argnums=0,
-                   out_shardings=sharding)
+    # in place (donated): the stacked array is written one layer (or expert) at a time on its devices
+    def write(a, piece, index):
+        return jax.lax.dynamic_update_slice(a, piece, tuple(index) + (0,) * (a.ndim - len(index)))
+    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
 
 
 def _read_array(ckpt: _Checkpoint, t: _Tensor, shape: tuple, dtype: np.dtype, sharding, transposed: bool,
-                lead: bool = False):
+                lead: int = 0):
     """`t` as an array of `shape` in `sharding`, each device reading its own slice. `lead`:
-    `shape` has a leading axis of 1 that the file's tensor lacks."""
+    `shape` has that many leading axes of 1 that the file's tensor lacks."""
     cache: dict = {}  # devices that replicate a slice share one host copy
 
     def cb(index):
         key = tuple(s.indices(d) for s, d in zip(index, shape))
         if key not in cache:
-            got = ckpt.read(t, index[1:] if lead else index, transposed, dtype)
-            cache[key] = got[None] if lead else got
+            got = ckpt.read(t, index[lead:], transposed, dtype)
+            cache[key] = got.reshape((1,) * lead + got.shape)
         return cache[key]
 
     arr = jax.make_array_from_callback(shape, sharding, cb)
@@ -407,7 +434,7 @@ def _plan(ckpt: _Checkpoint, named: list[tuple[str, Any]]) -> list[list[tuple[_T
     for ours, var in named:
         shape, reads = tuple(var.shape), []
         for name, label, layer, transposed in hf_tensors(ours, shape, gemma):
-            one = shape if layer is None else shape[1:]
+            one = shape if layer is None else shape[len(layer):]
             reads.append((ckpt.get(name, label, one[::-1] if transposed else one), layer, transposed))
             used.add(name)
         plan.append(reads)
@@ -443,7 +470,8 @@ def load_params(path: str | Path, abstract_params, shardings) -> nnx.State:
                 if layer is None:
                     arr = _read_array(ckpt, t, shape, dtype, sharding, transposed)
                     continue
-                piece = _read_array(ckpt, t, (1,) + shape[1:], dtype, sharding, transposed, lead=True)
+                piece = _read_array(ckpt, t, (1,) * len(layer) + shape[len(layer):], dtype, sharding, transposed,
+                                    lead=len(layer))
                 if arr is None:
                     arr = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
                 arr = _layer_writer(sharding)(arr, piece, layer)
@@ -460,7 +488,8 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, dtype: str, base: dict | 
     """config.json for our model: `base` (e.g. the original config.json) with every
     architecture field rewritten, so fields we do not model (token ids, ...) survive."""
     m = model_cfg
-    mt = "gemma3_text" if m.gemma else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    mt = "gemma3_text" if m.gemma else "qwen3_moe" if m.moe else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias \
+        else "llama"
     base = base or {}
     if isinstance(base.get("text_config"), dict):  # a multimodal Gemma 3's: its text model is what is written
         base = {**{k: v for k, v in base.items() if not k.endswith("_config") and "token_index" not in k},
@@ -494,17 +523,22 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, dtype: str, base: dict | 
     else:
         doc["hidden_act"] = "silu"
         doc.update({"attention_bias": False, "mlp_bias": False} if mt == "llama" else {"use_sliding_window": False})
-        if mt == "qwen3":
+        if mt in ("qwen3", "qwen3_moe"):
             doc["attention_bias"] = False
+        if mt == "qwen3_moe":
+            doc.update(num_experts=m.n_experts, num_experts_per_tok=m.n_experts_per_token,
+                       moe_intermediate_size=m.d_ff_expert, norm_topk_prob=m.norm_topk_prob,
+                       router_aux_loss_coef=m.router_aux_coef, decoder_sparse_step=1, mlp_only_layers=[])
     doc.setdefault("max_position_embeddings", 8192)
     return doc
 
 
 class _Layer:
-    """Layer i of a stacked parameter, fetched to the host only when written."""
+    """Layer i (an `hf_tensors` index: (layer,) or (layer, expert)) of a stacked parameter,
+    fetched to the host only when written."""
 
-    def __init__(self, leaf, i: int):
-        self.leaf, self.i, self.shape = leaf, i, tuple(leaf.shape[1:])
+    def __init__(self, leaf, i: tuple):
+        self.leaf, self.i, self.shape = leaf, i, tuple(leaf.shape[len(i):])
 
     def __call__(self):
         return self.leaf[self.i]

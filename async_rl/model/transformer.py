@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from async_rl.config import ModelConfig
-from async_rl.model import attention, paged_attention
+from async_rl.model import attention, moe, paged_attention
 from async_rl.model import lora as lora_mod
 from async_rl.model.sharding import is_var as _is_var
 
@@ -307,7 +307,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack)
         self.attn = Attention(cfg, rngs=rngs, stack=stack, lora=lora)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack)
-        self.mlp = MLP(cfg, rngs=rngs, stack=stack, lora=lora)
+        self.mlp = moe.MoE(cfg, rngs=rngs, stack=stack) if cfg.moe else MLP(cfg, rngs=rngs, stack=stack, lora=lora)
         # Gemma normalises each branch's output too, before it joins the residual stream
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack) if cfg.gemma else None
         self.post_mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, stack=stack) if cfg.gemma else None
@@ -315,13 +315,17 @@ class Block(nnx.Module):
     def qkv(self, x_BxTxD, positions_BxT, pin: bool = False, local=None):
         return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT, pin, local)
 
-    def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y):
+    def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y, valid_BxT=None):
         """Output projection, residual and MLP, given the attention output; `shard` pins
-        activation layouts (`attention.Spec.shard`)."""
+        activation layouts (`attention.Spec.shard`). With `valid_BxT` and an MoE block,
+        returns (x, the router's `moe.stats` over the valid tokens)."""
         a = self.attn.o(attn_BxTxE)
         x = shard(x_BxTxD + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
-        m = self.mlp(self.mlp_norm(x), shard)
-        return shard(x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m)))
+        routed = valid_BxT is not None and isinstance(self.mlp, moe.MoE)
+        m = self.mlp(self.mlp_norm(x), shard, valid_BxT) if routed else self.mlp(self.mlp_norm(x), shard)
+        m, router = m if routed else (m, None)
+        x = shard(x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m)))
+        return (x, router) if valid_BxT is not None else x
 
 
 def _stack_blocks(blocks: list[Block], cfg: ModelConfig, lora=None) -> Block:
@@ -438,7 +442,7 @@ class Transformer(nnx.Module):
         return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None
 
     def _trunk(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat="none",
-               unroll=1, gather=None, keep_cache=False):
+               unroll=1, gather=None, keep_cache=False, router=False):
         t = tokens_BxT.shape[1]
         spec = attn or default_attention(self.cfg)
         x = self._embed(tokens_BxT, jnp.arange(t)[None] + col_offset)
@@ -451,21 +455,26 @@ class Transformer(nnx.Module):
             else:  # one kernel runs per layer: the windowed one on local layers
                 out = jax.lax.cond(local, lambda *a: attention.self_attention(*a, spec, window=window),
                                    lambda *a: attention.self_attention(*a, spec), q, k, v, valid_BxT)
-            x = block.finish(x, out, spec.shard)
-            return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None)
+            if router and self.cfg.moe:
+                x, stats = block.finish(x, out, spec.shard, valid_BxT)
+            else:
+                x, stats = block.finish(x, out, spec.shard), None
+            return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None, stats)
 
-        x, kv = self._scan(body, x, self._local_L(), remat=remat, unroll=unroll, gather=gather)
-        return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None)
+        x, (kv, stats_L) = self._scan(body, x, self._local_L(), remat=remat, unroll=unroll, gather=gather)
+        return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None), stats_L
 
     def hidden(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat: str = "none",
-               unroll: bool | int = 1, gather=None):
+               unroll: bool | int = 1, gather=None, router: bool = False):
         """Residual stream after the last block [B, T, D] (before the final norm).
 
         `attn`: a resolved `attention.Spec` (default: `model.attention` on the default
         backend); `remat`: none | block | dots; `unroll`: layers per scan iteration (True: all);
-        `gather`: see `_scan`."""
-        return self._trunk(tokens_BxT, positions_BxT, valid_BxT, col_offset=col_offset, attn=attn, remat=remat,
-                           unroll=unroll, gather=gather)[0]
+        `gather`: see `_scan`. `router`: returns (x, per-layer `moe.stats` [n_layers] each, or
+        None for a dense model)."""
+        x, _, stats_L = self._trunk(tokens_BxT, positions_BxT, valid_BxT, col_offset=col_offset, attn=attn,
+                                    remat=remat, unroll=unroll, gather=gather, router=router)
+        return (x, stats_L) if router else x
 
     def logits(self, x):
         """fp32 logits from `hidden` output (any leading shape)."""
@@ -477,14 +486,14 @@ class Transformer(nnx.Module):
 
     def prefill(self, tokens_BxT, positions_BxT, valid_BxT, *, attn=None):
         """Same computation as `__call__`, plus the KV cache of all T columns."""
-        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
+        x, cache, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
         return self._logits(x), cache
 
     def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None, col_offset=0):
         """`prefill`, but logits only at one column per row (skips a [T, V] projection).
         `col_offset`: the absolute column of column 0 (a row narrower than P + N)."""
-        x, cache = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True,
-                               col_offset=col_offset)
+        x, cache, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True,
+                                  col_offset=col_offset)
         x_BxD = jnp.take_along_axis(x, cols_B[:, None, None], axis=1)[:, 0]
         return self._logits(x_BxD), cache
 

@@ -26,7 +26,7 @@ EPISODE_FIELDS = ("rollout.env",)
 STATE_FIELDS = (
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
     "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.qkv_bias", "model.learned_positions",
-    "model.param_dtype", "model.qk_norm", "model.gemma", "learner.grad_clip",
+    "model.param_dtype", "model.qk_norm", "model.gemma", "model.n_experts", "model.d_ff_expert", "learner.grad_clip",
 )
 # The adapters' shapes and meaning (a LoRA checkpoint holds adapters only, trained on one base).
 LORA_FIELDS = ("learner.lora_rank", "learner.lora_alpha", "learner.lora_targets")

@@ -93,7 +93,7 @@ def test_bucketed_batch_gives_the_full_width_logprobs():
     full, short = batch_of(cfg, rows), batch_of(cfg, rows, bucket_min=2)
     assert short.widths[0] == 4 and short.widths[1] <= 4
     params = learner.init_params()
-    lp = jax.jit(lambda p, b: learner._logprobs(p, b)[0])
+    lp = jax.jit(lambda p, b: learner._model_logprobs(learner._model(p, None), b)[0])
     a = np.asarray(lp(params, full.device_dict()))[:, :short.widths[1]]
     b = np.asarray(lp(params, short.device_dict()))
     m = short.mask_BxN
@@ -172,7 +172,7 @@ def test_one_epoch_one_minibatch_is_the_plain_policy_gradient_update():
     # the update written out: one gradient of the token-mean surrogate at the current weights
     def loss(p):
         b = batch.device_dict()
-        logp, _ = learner._logprobs(p, b)
+        logp, _ = learner._model_logprobs(learner._model(p, None), b)
         mask = jnp.asarray(b["mask_BxN"] & b["row_valid_B"][:, None])
         adv = losses.grpo_advantages(jnp.asarray(b["rewards_B"]).reshape(-1, cfg.rollout.samples_per_prompt),
                                      lc.adv_eps).reshape(-1)

@@ -1,4 +1,4 @@
-"""Qwen3 and Gemma 3 pieces: the sliding-window attention kernels against the plain masked
+"""Qwen3, Qwen3-MoE and Gemma 3 pieces: the sliding-window attention kernels against the plain masked
 path (forward and gradients), the engine's logprobs against the learner's recomputation,
 export round trips, a multimodal Gemma 3 checkpoint's text model, and the config fields'
 refusals. Logits against a NumPy reference and against transformers are in test_hf.py."""
@@ -29,6 +29,7 @@ FAMILIES = {
     "gemma3": ModelConfig(**SMALL, head_dim=12, qk_norm=True, gemma=True, sliding_window=3, global_every=3,
                           rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=10.0,
                           final_logit_softcap=8.0),
+    "qwen3_moe": ModelConfig(**SMALL, head_dim=12, qk_norm=True, n_experts=4, n_experts_per_token=2, d_ff_expert=16),
 }
 
 
@@ -107,9 +108,10 @@ def _full_logprobs(graphdef, params, prompt, tokens):
 
 # CI: Gemma 3's window under the multi-step (recent-columns) decode, Qwen3 under single steps;
 # the other two pairs in soak
-@pytest.mark.parametrize("family, steps", [("gemma3", 4), ("qwen3", 1), pytest.param("gemma3", 1, marks=pytest.mark.soak),
+@pytest.mark.parametrize("family, steps", [("gemma3", 4), ("qwen3", 1), ("qwen3_moe", 4),
+                                           pytest.param("gemma3", 1, marks=pytest.mark.soak),
                                            pytest.param("qwen3", 4, marks=pytest.mark.soak)],
-                         indirect=["family"], ids=["gemma3-4", "qwen3-1", "gemma3-1", "qwen3-4"])
+                         indirect=["family"], ids=["gemma3-4", "qwen3-1", "qwen3_moe-4", "gemma3-1", "qwen3-4"])
 def test_engine_logprobs_equal_the_learners(family, steps):
     """Prefill, single-step and multi-step decode (the recent-columns block) under the
     sliding window give the full-row forward pass's logprobs; greedy equals naive decoding."""
@@ -132,7 +134,7 @@ def test_engine_logprobs_equal_the_learners(family, steps):
     assert max(len(c.tokens) for row in out for c in row) > cfg.sliding_window + 2 or not cfg.sliding_window
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3_moe"])
 def test_export_round_trip(tmp_path, arch):
     """save_hf writes the family's config.json and tensor names; it reads back to the same
     config and bit-identical params."""
@@ -200,6 +202,11 @@ def test_qwen3_attention_bias_is_refused(tmp_path):
     (dict(gemma=True, qk_norm=True, rope_local_theta=1e4), "model.rope_local_theta=10000.0: needs model.sliding"),
     (dict(gemma=True, qk_norm=True, final_logit_softcap=-1.0), "model.final_logit_softcap=-1.0: must be >= 0"),
     (dict(query_pre_attn_scalar=256.0), "model.query_pre_attn_scalar=256.0: needs model.gemma"),
+    (dict(qk_norm=True, n_experts=4, n_experts_per_token=5, d_ff_expert=8),
+     r"model.n_experts_per_token=5: must be in \[1, model.n_experts \(4\)\]"),
+    (dict(qk_norm=True, n_experts=4, n_experts_per_token=2), "model.d_ff_expert=0: must be > 0 with model.n_experts"),
+    (dict(n_experts=4, n_experts_per_token=2, d_ff_expert=8), "model.n_experts=4: needs the Qwen3 block"),
+    (dict(n_experts_per_token=2), "model.n_experts_per_token=2: needs model.n_experts > 0"),
 ])
 def test_model_config_refuses_combinations_no_family_has(fields, match):
     with pytest.raises(ConfigError, match=match) as e:

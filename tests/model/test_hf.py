@@ -36,6 +36,17 @@ CONFIGS = {
     "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2, head_dim=32,
                   rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
                   use_sliding_window=False),
+    # Qwen3-MoE: 4 experts top-2 renormalised, untied; 8 experts top-3 as they come, tied
+    "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_key_value_heads=2,
+                      head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                      attention_bias=False, use_sliding_window=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      router_aux_loss_coef=0.001),
+    "qwen3_moe_tied": dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                           num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                           attention_bias=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=3,
+                           moe_intermediate_size=16, norm_topk_prob=False, decoder_sparse_step=1,
+                           mlp_only_layers=[], router_aux_loss_coef=0.01),
     # Gemma 3 text: 1 + w norms, post-branch norms, GeGLU, scaled embeddings, q/k norm, two
     # sliding-window layers (window 4 < the 12 test columns) with their own RoPE base, then a
     # global one with linear scaling; query_pre_attn_scalar != head_dim; a final soft cap.
@@ -68,7 +79,7 @@ def random_weights(hc: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.nd
         p = f"model.layers.{i}."
         for n in norms:
             w[p + f"{n}.weight"] = one + 0.1 * rng.normal(size=d)
-        if hc["model_type"] in ("qwen3", "gemma3_text"):
+        if hc["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             for n in "qk":
                 w[p + f"self_attn.{n}_norm.weight"] = one + 0.1 * rng.normal(size=hd)
         for n, rows in (("q", H * hd), ("k", G * hd), ("v", G * hd)):
@@ -76,6 +87,14 @@ def random_weights(hc: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.nd
             if hc["model_type"] == "qwen2":
                 w[p + f"self_attn.{n}_proj.bias"] = rng.normal(0, 0.5, rows)
         w[p + "self_attn.o_proj.weight"] = rng.normal(0, 0.2, (d, H * hd))
+        if hc["model_type"] == "qwen3_moe":
+            fe = hc["moe_intermediate_size"]
+            w[p + "mlp.gate.weight"] = rng.normal(0, 0.5, (hc["num_experts"], d))
+            for e in range(hc["num_experts"]):
+                w[p + f"mlp.experts.{e}.gate_proj.weight"] = rng.normal(0, 0.2, (fe, d))
+                w[p + f"mlp.experts.{e}.up_proj.weight"] = rng.normal(0, 0.2, (fe, d))
+                w[p + f"mlp.experts.{e}.down_proj.weight"] = rng.normal(0, 0.2, (d, fe))
+            continue
         w[p + "mlp.gate_proj.weight"] = rng.normal(0, 0.2, (f, d))
         w[p + "mlp.up_proj.weight"] = rng.normal(0, 0.2, (f, d))
         w[p + "mlp.down_proj.weight"] = rng.normal(0, 0.15, (d, f))
@@ -105,7 +124,7 @@ def reference_logits(hc: dict, w: dict, tokens, positions) -> np.ndarray:
     B, T = tokens.shape
     d, H, G = hc["hidden_size"], hc["num_attention_heads"], hc["num_key_value_heads"]
     hd, eps = hc.get("head_dim") or d // H, hc.get("rms_norm_eps", 1e-6)
-    gemma, qk_norm = hc["model_type"] == "gemma3_text", hc["model_type"] in ("qwen3", "gemma3_text")
+    gemma, qk_norm = hc["model_type"] == "gemma3_text", hc["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text")
     local_layers = [t == "sliding_attention" for t in hc.get("layer_types", [])] or [False] * hc["num_hidden_layers"]
     inv = 1.0 / hc["rope_theta"] ** (np.arange(0, hd, 2) / hd)
     sc = hc.get("rope_scaling") or {}
@@ -156,14 +175,35 @@ def reference_logits(hc: dict, w: dict, tokens, positions) -> np.ndarray:
         o = np.einsum("bhqk,bkhd->bqhd", a, v).reshape(B, T, H * hd) @ w[p + "self_attn.o_proj.weight"].T
         x = x + (norm(o, w[p + "post_attention_layernorm.weight"]) if gemma else o)
         h = norm(x, w[p + ("pre_feedforward_layernorm" if gemma else "post_attention_layernorm") + ".weight"])
-        g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-        m = (act(g) * u) @ w[p + "mlp.down_proj.weight"].T
+        if hc["model_type"] == "qwen3_moe":
+            m = moe_reference(hc, w, p, h, act)
+        else:
+            g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+            m = (act(g) * u) @ w[p + "mlp.down_proj.weight"].T
         x = x + (norm(m, w[p + "post_feedforward_layernorm.weight"]) if gemma else m)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     logits = norm(x, w["model.norm.weight"]) @ head.T
     if cap := hc.get("final_logit_softcapping"):
         logits = cap * np.tanh(logits / cap)
     return logits
+
+
+def moe_reference(hc: dict, w: dict, p: str, h, act):
+    """Qwen3-MoE's sparse block: softmax router, top-k (renormalised with norm_topk_prob), the
+    chosen experts' SwiGLU outputs summed with those weights; every expert run on every token."""
+    r = h @ w[p + "mlp.gate.weight"].T
+    probs = np.exp(r - r.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1)[..., :hc["num_experts_per_tok"]]
+    tw = np.take_along_axis(probs, top, -1)
+    if hc["norm_topk_prob"]:
+        tw /= tw.sum(-1, keepdims=True)
+    m = np.zeros_like(h)
+    for e in range(hc["num_experts"]):
+        q = p + f"mlp.experts.{e}."
+        out = (act(h @ w[q + "gate_proj.weight"].T) * (h @ w[q + "up_proj.weight"].T)) @ w[q + "down_proj.weight"].T
+        m += ((top == e) * tw).sum(-1, keepdims=True) * out
+    return m
 
 
 def mesh_2x2() -> Mesh:
@@ -371,7 +411,8 @@ def test_logits_match_transformers(tmp_path, arch, writer):
     # "save_hf": transformers reads the directory our exporter writes
     path = tmp_path / "src" if writer == "safetensors" else hf.save_hf(params, mcfg, mcfg.vocab_size, tmp_path / "out")
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM}[hc["model_type"]]
+           "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "gemma3_text": transformers.Gemma3ForCausalLM}[hc["model_type"]]
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     tokens, positions = sample_inputs()
     with torch.no_grad():

@@ -1,0 +1,118 @@
+"""Mixture of experts (Qwen3-MoE): the dropless expert compute against a dense loop, the router's
+statistics, the load-balancing loss reaching the router in the learner's step (micro-batching
+equal to the unsplit update), and bad checkpoints and configs refused in one line. Logits
+against a NumPy reference and transformers are in test_hf.py; engine vs learner logprobs and
+export round trips in test_architectures.py."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_hf import CONFIGS, load, random_weights, write_checkpoint
+from test_learner import batch_of, make, random_rows
+
+from async_rl import config as C
+from async_rl.config import ConfigError, ModelConfig
+from async_rl.model import hf, moe
+
+MOE = ("model.qk_norm=true", "model.n_experts=4", "model.n_experts_per_token=2", "model.d_ff_expert=32",
+       "model.n_layers=1")
+
+
+def test_dropless_experts_equal_every_expert_run_on_every_token():
+    cfg = ModelConfig(d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, qk_norm=True, n_experts=5,
+                      n_experts_per_token=3, d_ff_expert=8, norm_topk_prob=False)
+    layer = moe.MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 7, 16))
+    probs, w, e = layer.route(x.reshape(-1, 16))
+    got = layer(x).reshape(-1, 16)
+    xs = x.reshape(-1, 16)
+    want = jnp.zeros_like(xs)
+    for j in range(5):  # every expert on every token, kept where the router chose it
+        out = (jax.nn.silu(xs @ layer.experts_gate[...][j]) * (xs @ layer.experts_up[...][j])) @ layer.experts_down[...][j]
+        want += ((e == j) * w).sum(-1, keepdims=True) * out
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert len({int(i) for i in np.asarray(e).ravel()}) > 1  # several experts actually used
+    np.testing.assert_allclose(np.asarray(w), np.take_along_axis(np.asarray(probs), np.asarray(e), -1))
+
+
+def test_router_statistics_count_only_valid_tokens():
+    probs = jnp.asarray([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8]])
+    e = jnp.asarray([[0], [0], [2]])
+    s = moe.stats(probs, e, jnp.asarray([True, True, False]))
+    # valid tokens: both to expert 0; mean probabilities (0.65, 0.25, 0.1)
+    assert float(s["aux"]) == pytest.approx(3 * (1.0 * 0.65))
+    assert float(s["load"]) == pytest.approx(2 / (2 / 3))
+    ent = -(np.asarray(probs[:2]) * np.log(np.asarray(probs[:2]))).sum(-1).mean()
+    assert float(s["entropy"]) == pytest.approx(ent, rel=1e-6)
+    even = moe.stats(jnp.full((4, 4), 0.25), jnp.asarray([[0, 1], [2, 3], [0, 1], [2, 3]]), jnp.ones(4, bool))
+    assert float(even["aux"]) == pytest.approx(2.0) and float(even["load"]) == pytest.approx(1.0)
+
+
+def _step(*overrides):
+    cfg, learner = make(*MOE, *overrides)
+    state = learner.init_state(learner.init_params())
+    state, metrics = learner.step(state, batch_of(cfg, random_rows(cfg, seed=2)))
+    return jax.device_get(state["params"]), jax.device_get(metrics)
+
+
+def test_the_load_balancing_loss_trains_the_router_and_micro_batches_add_up_to_the_update():
+    params, m = _step()
+    assert m["learner/expert_load_max"] >= m["learner/expert_load_l0"] >= 1.0
+    assert 0 < m["learner/router_entropy"] <= np.log(4) + 1e-6
+    assert m["learner/router_aux"] >= 1.0  # 2 (= k) at an even load, more when uneven
+    flat = lambda p: dict(nnx.to_flat_state(p))  # noqa: E731
+    # the aux loss moves the router: with its weight 0 the router's update differs
+    none, m0 = _step("model.router_aux_coef=0")
+    router = ("layers", "mlp", "router")
+    assert not np.allclose(flat(none)[router].get_value(), flat(params)[router].get_value(), atol=1e-7)
+    # micro-batches: every token-linear term adds up to the unsplit update; the aux loss (a
+    # product of two means) is each micro-batch's own, weighted by its tokens
+    split0, ms0 = _step("model.router_aux_coef=0", "learner.micro_batch_rows=4")
+    for k in ("learner/router_entropy", "learner/loss"):
+        assert ms0[k] == pytest.approx(m0[k], rel=1e-4), k
+    for path, v in flat(none).items():
+        np.testing.assert_allclose(flat(split0)[path].get_value(), v.get_value(), atol=5e-5, err_msg=str(path))  # lr 3e-3
+    _, ms = _step("learner.micro_batch_rows=4")
+    assert ms["learner/router_aux"] == pytest.approx(m["learner/router_aux"], rel=2e-2)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(num_experts_per_tok=5), r"n_experts_per_token=5: must be in \[1, model.n_experts \(4\)\]"),
+    (dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\]: dense blocks between MoE blocks are not supported"),
+    (dict(decoder_sparse_step=2), r"decoder_sparse_step=2: dense blocks between"),
+])
+def test_moe_configs_no_block_here_computes_are_refused_in_one_line(tmp_path, change, says):
+    (tmp_path / "config.json").write_text(json.dumps(dict(CONFIGS["qwen3_moe"], **change)))
+    with pytest.raises(hf.HFError, match=says) as e:
+        hf.model_config_from_hf(tmp_path, ModelConfig())
+    assert "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+def test_a_missing_or_misshaped_expert_is_named():
+    import tempfile
+    from pathlib import Path
+    hc, root = CONFIGS["qwen3_moe"], Path(tempfile.mkdtemp())
+    w = random_weights(hc)
+    missing = {k: v for k, v in w.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
+    with pytest.raises(hf.HFError, match=r"'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight' \(for parameter "
+                                         r"layers\.mlp\.experts_up\[1, 3\]\) is missing"):
+        load(write_checkpoint(root / "a", hc, missing))
+    bad = dict(w, **{"model.layers.0.mlp.experts.2.down_proj.weight": np.zeros((64, 23), np.float32)})
+    with pytest.raises(hf.HFError, match=r"experts\.2\.down_proj\.weight.*shape \[64, 23\], expected \[64, 24\]"):
+        load(write_checkpoint(root / "b", hc, bad))
+
+
+def test_lora_on_moe_experts_is_refused_and_attention_adapters_train():
+    with pytest.raises(ConfigError, match=r"learner.lora_targets='attention,mlp': MoE blocks take no adapters on "
+                                          r"their experts \(gate, up, down\); set learner.lora_targets=attention"):
+        C.load("configs/tiny-moe.yaml", ["learner.lora_rank=4"])
+    with pytest.raises(ConfigError, match=r"their experts \(up\)"):
+        C.load("configs/tiny-moe.yaml", ["learner.lora_rank=4", "learner.lora_targets=attention,up"])
+    params, m = _step("learner.lora_rank=4", "learner.lora_targets=attention")
+    assert np.isfinite(m["learner/loss"]) and m["learner/router_aux"] > 0
+    b = dict(nnx.to_flat_state(params))[("layers", "attn", "q", "lora_b")].get_value()
+    assert np.abs(b).max() > 0  # B starts at zero: the adapter took a step
