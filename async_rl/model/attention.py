@@ -51,6 +51,7 @@ class Spec:
     batch_axes: tuple = ()
     head_axis: str | None = None
     strict: bool = True  # cudnn: False lets an unsupported shape fall back to blockwise
+    platform: str = ""  # the devices' platform (cpu | gpu | tpu), for kernels chosen by platform (MoE's)
 
     def shard(self, x, features: bool = False):
         """`x` [B, ..., F] constrained to rows over the batch axes (and F over the head axis).
@@ -86,7 +87,7 @@ def resolve(choice: str, platform: str, dtype, mesh=None, batch_axes: tuple = ()
         raise ConfigError(f"model.attention=splash: needs a TPU (this mesh is on {platform})")
     if choice == "cudnn" and not gpu:
         raise ConfigError(f"model.attention=cudnn: needs an NVIDIA GPU (this mesh is on {platform})")
-    return Spec(choice, mesh, tuple(batch_axes), head_axis, strict)
+    return Spec(choice, mesh, tuple(batch_axes), head_axis, strict, "gpu" if gpu else platform)
 
 
 def masked(q_BxQxHxD, k_BxKxGxD, v_BxKxGxD, mask_BxQxK):

@@ -129,3 +129,13 @@ def kernel_flops(cfg: C.Config, backward: int = 7, teacher=None) -> float:
     fb, fwd = passes(cfg)
     out = unit(cfg.model) * (fb * (2 + backward + 2 * (lc.remat != "none")) + 2 * fwd)
     return out + (2 * unit(teacher.model) if teacher is not None else 0.0)
+
+
+def expert_kernel_flops(cfg: C.Config, teacher=None) -> float:
+    """FLOPs of MoE grouped-matmul kernels that XLA's cost model does not see: megablox's gmm
+    states its cost to XLA, its tgmm (the experts' weight gradient, in each backward pass) does
+    not: 2 x k x 3 D F per token and MoE layer. 0 for dense models; a teacher has no backward."""
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    T = cfg.engine.max_prompt_len + cfg.rollout.max_new_tokens
+    m = cfg.model
+    return 6.0 * m.n_experts_per_token * m.d_model * m.d_ff_expert * m.n_layers * rows * T * passes(cfg)[0]

@@ -8,19 +8,40 @@ router's statistics (load-balancing loss, expert load, entropy). Does not own: t
 it (`transformer`), checkpoint names (`hf`), the loss weighting (`learner`).
 
 Dropless: every (token, expert) pair is computed, none dropped for capacity. The pairs are
-sorted by expert and each expert's run of rows is one group of `jax.lax.ragged_dot`, so the
-work is k rows per token whatever the routing, and no [tokens, experts] dense product is formed.
+sorted by expert and each expert's run of rows is one group of a grouped matmul (`grouped`),
+so the work is k rows per token whatever the routing. On a TPU the learner's grouped matmuls
+are megablox's Pallas kernels (`gmm`, and `tgmm` for the weights' gradient: XLA's own
+`ragged_dot` gradient for the weights computes every expert on every row there); elsewhere,
+and in the engine (forward only, which XLA's TPU `ragged_dot` computes as grouped),
+`jax.lax.ragged_dot`. (XLA:CPU and XLA:GPU compute `ragged_dot` as a dense product masked per
+group, E times the work: right for tests, not for a large model on a GPU.)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from async_rl.config import ModelConfig
+
+
+def grouped(x_MxK, w_GxKxN, sizes_G, impl: str = "xla", interpret: bool = False):
+    """Rows [sum(sizes[:g]), sum(sizes[:g+1])) of x times w[g], for every group g. `impl`: xla
+    (`jax.lax.ragged_dot`) | megablox (the Pallas TPU kernels; `interpret` runs them anywhere).
+    megablox tiles K and N by 128 (its backward swaps them): other widths take XLA's."""
+    m, k, n = x_MxK.shape[0], x_MxK.shape[1], w_GxKxN.shape[2]
+    if impl == "xla" or (not interpret and (k % 128 or n % 128)):
+        return jax.lax.ragged_dot(x_MxK, w_GxKxN, sizes_G)
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+    tm = min(128, -(-m // 8) * 8)
+    x = jnp.pad(x_MxK, ((0, -m % tm), (0, 0)))  # rows past the groups' sum are neither read nor kept
+    tiling = (tm, min(128, k), min(128, n))
+    return megablox.gmm(x, w_GxKxN.astype(x.dtype), sizes_G, x.dtype, tiling, None, None, False, interpret)[:m]
 
 
 def _param(rngs: nnx.Rngs, stack: int, shape: tuple, axes: tuple, std: float, dtype) -> nnx.Param:
@@ -49,30 +70,89 @@ class MoE(nnx.Module):
             w_NxK = w_NxK / w_NxK.sum(-1, keepdims=True)
         return probs, w_NxK, e_NxK
 
-    def experts(self, x_NxD, w_NxK, e_NxK):
-        """sum_j w[n, j] * expert_{e[n, j]}(x[n]) for every token n, dropless."""
-        n, k = e_NxK.shape
-        dt = self.dtype
-        flat_e = e_NxK.reshape(-1)
-        order = jnp.argsort(flat_e, stable=True)  # the (token, j) pairs grouped by expert
-        tok = order // k
-        sizes = jnp.bincount(flat_e, length=self.n_experts).astype(jnp.int32)
-        xs = x_NxD[tok].astype(dt)
-        g = jax.lax.ragged_dot(xs, self.experts_gate[...].astype(dt), sizes)
-        u = jax.lax.ragged_dot(xs, self.experts_up[...].astype(dt), sizes)
-        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.experts_down[...].astype(dt), sizes)
-        y = y * w_NxK.reshape(-1)[order][:, None].astype(dt)
-        return jnp.zeros((n, x_NxD.shape[-1]), dt).at[tok].add(y)
+    def experts(self, x_NxD, w_NxK, e_NxK, spec=None):
+        """sum_j w[n, j] * expert_{e[n, j]}(x[n]) for every token n, dropless. `spec`: the
+        learner's `attention.Spec`; on a TPU each device runs megablox on its own rows (a Pallas
+        kernel is not partitioned by XLA), the experts' F axis split over the head axis."""
+        ws = tuple(p[...].astype(self.dtype) for p in (self.experts_gate, self.experts_up, self.experts_down))
+        tpu = spec is not None and spec.platform == "tpu"
+        fn = functools.partial(_experts, n_experts=self.n_experts, impl="megablox" if tpu else "xla")
+        mesh = spec.mesh if tpu else None
+        if mesh is None or mesh.size == 1:
+            return fn(x_NxD, w_NxK, e_NxK, *ws)
+        nb = math.prod(mesh.shape[a] for a in spec.batch_axes)
+        rows = P(spec.batch_axes if spec.batch_axes and x_NxD.shape[0] % nb == 0 else None, None)
+        t = spec.head_axis if spec.head_axis and ws[0].shape[-1] % mesh.shape[spec.head_axis] == 0 else None
+        f = jax.shard_map(functools.partial(fn, tensor_axis=t), mesh=mesh,
+                          in_specs=(rows, rows, rows, P(None, None, t), P(None, None, t), P(None, t, None)),
+                          out_specs=rows, check_vma=False)
+        return f(x_NxD, w_NxK, e_NxK, *ws)
 
-    def __call__(self, x, shard=lambda y, features=False: y, valid=None):
+    def __call__(self, x, shard=lambda y, features=False: y, valid=None, spec=None):
         """The MoE output for `x` [..., D]; with `valid` (a bool mask of x's leading shape) also
-        the router's statistics over the valid tokens (`stats`)."""
+        the router's statistics over the valid tokens (`stats`). `spec`: see `experts`."""
         x_NxD = x.reshape(-1, x.shape[-1])
         probs, w_NxK, e_NxK = self.route(x_NxD)
-        y = self.experts(x_NxD, w_NxK, e_NxK).reshape(x.shape)
+        y = self.experts(x_NxD, w_NxK, e_NxK, spec).reshape(x.shape)
         if valid is None:
             return y
         return y, stats(probs, e_NxK, valid.reshape(-1))
+
+
+def _experts(x_NxD, w_NxK, e_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, n_experts: int, impl: str,
+             tensor_axis: str | None = None):
+    """`MoE.experts` on arrays: the (token, j) pairs sorted by expert, three grouped matmuls,
+    the weighted outputs added back per token (summed over `tensor_axis` inside a shard_map)."""
+    n, k = e_NxK.shape
+    dt = gate_ExDxF.dtype
+    flat_e = e_NxK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # pair order grouped by expert; pair p is (token p // k, choice p % k)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    ends = jnp.searchsorted(flat_e[order], jnp.arange(1, n_experts + 1), side="left")
+    sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
+    xs = _dispatch(x_NxD.astype(dt), order, inverse, k)
+    g, u = grouped(xs, gate_ExDxF, sizes, impl), grouped(xs, up_ExDxF, sizes, impl)
+    y_NxKxD = _rows(grouped(jax.nn.silu(g) * u, down_ExFxD, sizes, impl), inverse, order).reshape(n, k, -1)
+    out = (y_NxKxD * w_NxK[..., None].astype(dt)).sum(1)
+    return out if tensor_axis is None else jax.lax.psum(out, tensor_axis)
+
+
+# The pairs move by gathers both ways, gradients included: a gather's own gradient is a
+# scatter-add, but these gathers are permutations (and k-fold copies), whose gradients are
+# gathers by the inverse permutation.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x_NxD, order, inverse, k: int):
+    """Each token's row once per choice, in pair order: x[order // k]."""
+    return x_NxD[order // k]
+
+
+def _dispatch_fwd(x_NxD, order, inverse, k):
+    return x_NxD[order // k], (order, inverse, x_NxD.shape[0])
+
+
+def _dispatch_bwd(k, res, g_PxD):
+    order, inverse, n = res
+    return g_PxD[inverse].reshape(n, k, -1).sum(1), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _rows(y, index, back):
+    """y[index], `back` its inverse permutation (the gradient's gather)."""
+    return y[index]
+
+
+def _rows_fwd(y, index, back):
+    return y[index], back
+
+
+def _rows_bwd(back, g):
+    return g[back], None, None
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
 
 
 def stats(probs_NxE, e_NxK, valid_N) -> dict:

@@ -315,15 +315,18 @@ class Block(nnx.Module):
     def qkv(self, x_BxTxD, positions_BxT, pin: bool = False, local=None):
         return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT, pin, local)
 
-    def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y, valid_BxT=None):
+    def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y, valid_BxT=None, spec=None):
         """Output projection, residual and MLP, given the attention output; `shard` pins
-        activation layouts (`attention.Spec.shard`). With `valid_BxT` and an MoE block,
-        returns (x, the router's `moe.stats` over the valid tokens)."""
+        activation layouts (`attention.Spec.shard`). With `valid_BxT`, returns (x, the MoE
+        router's `moe.stats` over the valid tokens, None for a dense block); `spec`: the
+        attention.Spec whose platform and mesh pick the experts' kernel (`moe.MoE.experts`)."""
         a = self.attn.o(attn_BxTxE)
         x = shard(x_BxTxD + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
-        routed = valid_BxT is not None and isinstance(self.mlp, moe.MoE)
-        m = self.mlp(self.mlp_norm(x), shard, valid_BxT) if routed else self.mlp(self.mlp_norm(x), shard)
-        m, router = m if routed else (m, None)
+        if isinstance(self.mlp, moe.MoE):
+            m = self.mlp(self.mlp_norm(x), shard, valid_BxT, spec)
+            m, router = m if valid_BxT is not None else (m, None)
+        else:
+            m, router = self.mlp(self.mlp_norm(x), shard), None
         x = shard(x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m)))
         return (x, router) if valid_BxT is not None else x
 
@@ -455,10 +458,8 @@ class Transformer(nnx.Module):
             else:  # one kernel runs per layer: the windowed one on local layers
                 out = jax.lax.cond(local, lambda *a: attention.self_attention(*a, spec, window=window),
                                    lambda *a: attention.self_attention(*a, spec), q, k, v, valid_BxT)
-            if router and self.cfg.moe:
-                x, stats = block.finish(x, out, spec.shard, valid_BxT)
-            else:
-                x, stats = block.finish(x, out, spec.shard), None
+            x, stats = block.finish(x, out, spec.shard, valid_BxT, spec) if router else \
+                (block.finish(x, out, spec.shard, spec=spec), None)
             return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None, stats)
 
         x, (kv, stats_L) = self._scan(body, x, self._local_L(), remat=remat, unroll=unroll, gather=gather)

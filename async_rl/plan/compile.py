@@ -95,7 +95,7 @@ class Part:
     other_bytes: int = 0  # outputs not aliased to donated inputs, generated code
     total_bytes: int = 0
     flops: float = 0.0  # XLA cost model, every loop iteration counted, plus kernel FLOPs
-    kernel_flops: float = 0.0  # of which: Pallas attention kernels, from the formula
+    kernel_flops: float = 0.0  # of which: fused attention and MoE expert kernels, from the formula
     bytes_accessed: float = 0.0
     model_flops: float = 0.0
     error: str = ""
@@ -106,6 +106,7 @@ class Part:
     seq_tokens: float = 0.0  # engine: tokens of that room a sample of the configured lengths takes (group prompts shared)
     resident_bytes: int = 0  # what stays allocated between this program's runs (state)
     attention: str = ""  # learner: the attention kernel in the compiled step
+    experts: str = ""  # learner: the MoE experts' grouped matmul ("" for a dense model)
     mesh: Mesh | None = None  # the devices it was compiled for, as the run lays them out
 
 
@@ -156,7 +157,7 @@ class Report:
                        flops_per_chip=lp.flops, kernel_flops_per_chip=lp.kernel_flops,
                        bytes_accessed_per_chip=lp.bytes_accessed, model_flops_per_chip=lp.model_flops,
                        learner_compile_s=lp.compile_s, learner_error=lp.error or None,
-                       attention=lp.attention or None)
+                       attention=lp.attention or None, experts=lp.experts or None)
         ep = self.parts.get("engine")
         if ep is not None:
             out.update(engine_mesh=dict(ep.mesh.shape) if ep.mesh is not None else None,
@@ -262,13 +263,18 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
                 teacher_bytes=t_bytes)
     part.model_flops = sum(flops.step_flops(cfg, vocab, teacher=teacher).values()) / mesh.size
     part.attention = attention_used(learner, compiled)
+    if cfg.model.moe:
+        part.experts = "megablox (Pallas TPU kernels)" if learner.attn.platform == "tpu" else \
+            f"XLA ragged_dot (every expert on every row on this platform: {cfg.model.n_experts}x a grouped matmul's work)"
     if cost:
         part.flops, part.bytes_accessed = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled)),
                                                                         teacher))
         if part.attention.startswith(("splash", "cuDNN")):
             part.kernel_flops = flops.kernel_flops(cfg, backward=7 if learner.attn.impl == "splash" else 5,
                                                    teacher=teacher) / mesh.size
-            part.flops += part.kernel_flops
+        if learner.attn.platform == "tpu":  # the MoE experts' megablox kernels
+            part.kernel_flops += flops.expert_kernel_flops(cfg) / mesh.size
+        part.flops += part.kernel_flops
     return part
 
 
@@ -520,7 +526,8 @@ def format_report(rep: Report) -> str:
     lines = [f"plan: {rep.config or 'config'} on {rep.topology}: {rep.devices} x {rep.chip.name}, "
              f"mesh {' x '.join(f'{k} {v}' for k, v in rep.mesh.items())}",
              f"learner step, per chip (XLA memory analysis; compiled in {lp.compile_s:.1f} s"
-             + (f"; attention: {lp.attention}" if lp.attention else "") + "):",
+             + (f"; attention: {lp.attention}" if lp.attention else "")
+             + (f"; MoE experts: {lp.experts}" if lp.experts else "") + "):",
              f"  parameters       {g(lp.params_bytes)}", f"  optimizer state  {g(lp.opt_bytes)}"]
     if lp.teacher_bytes:
         lines.append(f"  teacher          {g(lp.teacher_bytes)}  (learner.distill: parameters only)")
@@ -533,7 +540,7 @@ def format_report(rep: Report) -> str:
     est = rep.estimates()
     if lp.flops:
         lines += [f"cost model, per chip: {_si(lp.flops, 'FLOP')} (of which {_si(lp.kernel_flops, 'FLOP')} in "
-                  f"attention kernels, by formula), {_si(lp.bytes_accessed, 'B')} accessed; model "
+                  f"fused kernels, by formula), {_si(lp.bytes_accessed, 'B')} accessed; model "
                   f"{_si(lp.model_flops, 'FLOP')}",
                   f"  at {rep.chip.peak_flops / 1e12:.0f} TFLOP/s and {rep.chip.hbm_bandwidth / 1e9:,.0f} GB/s "
                   f"(published): compute {lp.flops / rep.chip.peak_flops:.2f} s, memory "

@@ -36,6 +36,19 @@ def test_dropless_experts_equal_every_expert_run_on_every_token():
         want += ((e == j) * w).sum(-1, keepdims=True) * out
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert len({int(i) for i in np.asarray(e).ravel()}) > 1  # several experts actually used
+    # gradients (the pairs' gathers have hand-written ones) against autodiff of the loop
+    probe = jax.random.normal(jax.random.key(2), xs.shape)
+
+    def loop(x, gate, up, down):
+        out = jnp.zeros_like(x)
+        for j in range(5):
+            out += ((e == j) * w).sum(-1, keepdims=True) * ((jax.nn.silu(x @ gate[j]) * (x @ up[j])) @ down[j])
+        return (out * probe).sum()
+    ws = (layer.experts_gate[...], layer.experts_up[...], layer.experts_down[...])
+    ours = jax.grad(lambda x, *ws: (moe._experts(x, w, e, *ws, n_experts=5, impl="xla") * probe).sum(),
+                    argnums=(0, 1, 2, 3))(xs, *ws)
+    for a, b in zip(ours, jax.grad(loop, argnums=(0, 1, 2, 3))(xs, *ws)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
     np.testing.assert_allclose(np.asarray(w), np.take_along_axis(np.asarray(probs), np.asarray(e), -1))
 
 
@@ -116,3 +129,22 @@ def test_lora_on_moe_experts_is_refused_and_attention_adapters_train():
     assert np.isfinite(m["learner/loss"]) and m["learner/router_aux"] > 0
     b = dict(nnx.to_flat_state(params))[("layers", "attn", "q", "lora_b")].get_value()
     assert np.abs(b).max() > 0  # B starts at zero: the adapter took a step
+
+
+def test_the_tpu_grouped_matmul_equals_ragged_dot_with_gradients_in_interpret_mode():
+    """megablox's gmm (and tgmm for the weights' gradient), the learner's on a TPU, run by the
+    Pallas interpreter: the rows of empty and uneven groups, and rows past the groups' sum."""
+    rs = np.random.RandomState(0)
+    x = jnp.asarray(rs.randn(40, 32), jnp.float32)
+    w = jnp.asarray(rs.randn(3, 32, 48), jnp.float32)
+    sizes = jnp.asarray([10, 0, 27], jnp.int32)  # 3 rows belong to no group
+    probe = jnp.asarray(rs.randn(40, 48), jnp.float32).at[37:].set(0)
+
+    def loss(impl):
+        return jax.value_and_grad(lambda x, w: (moe.grouped(x, w, sizes, impl, interpret=True)[:37] *
+                                                probe[:37]).sum(), argnums=(0, 1))(x, w)
+    (v_ref, (dx_ref, dw_ref)), (v, (dx, dw)) = loss("xla"), loss("megablox")
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    np.testing.assert_allclose(dx[:37], dx_ref[:37], atol=1e-4)
+    np.testing.assert_allclose(dw, dw_ref, atol=1e-4)
+    assert float(jnp.abs(dw[1]).max()) == 0.0  # the empty group's expert gets no gradient

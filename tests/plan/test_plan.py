@@ -266,7 +266,9 @@ def test_tpu_plan_while_a_train_runs(tmp_path):
 @pytest.mark.parametrize("family", [pytest.param(["model.qk_norm=true", "model.head_dim=24"], marks=pytest.mark.soak),
                                     ["model.qk_norm=true", "model.gemma=true", "model.sliding_window=4",
                                      "model.global_every=3", "model.rope_local_theta=10000",
-                                     "model.query_pre_attn_scalar=20"]])
+                                     "model.query_pre_attn_scalar=20"],
+                                    ["model.qk_norm=true", "model.n_experts=4", "model.n_experts_per_token=2",
+                                     "model.d_ff_expert=32"]], ids=["qwen3", "gemma3", "qwen3_moe"])
 def test_plan_compiles_qwen3_and_gemma3_steps(family):
     """The learner step and the engine's decode of each new family compile on a 4-way FSDP
     mesh (per-layer window choice inside the scan, q/k norm scales replicated)."""
@@ -275,11 +277,12 @@ def test_plan_compiles_qwen3_and_gemma3_steps(family):
     assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
 
 
-@pytest.mark.parametrize("path, n_params", [("configs/plan/qwen3-8b.yaml", 8_190_735_360),
+@pytest.mark.parametrize("path, n_params", [("configs/plan/qwen3-30b-a3b.yaml", 30_532_122_624),
+                                            ("configs/plan/qwen3-8b.yaml", 8_190_735_360),
                                             ("configs/plan/gemma3-4b.yaml", 3_880_263_168)])
 def test_plan_presets_have_the_published_shapes(path, n_params):
     """Qwen3-8B's published count; Gemma 3 4B's text model (embeddings 262208 x 2560, tied)
-    is its 4.3B less the 0.42B vision tower."""
+    is its 4.3B less the 0.42B vision tower; Qwen3-30B-A3B's 30.5B (3.3B active)."""
     from flax import nnx
 
     from async_rl.model.transformer import Transformer
@@ -287,6 +290,24 @@ def test_plan_presets_have_the_published_shapes(path, n_params):
     model = nnx.eval_shape(lambda: Transformer(m, m.vocab_size, rngs=nnx.Rngs(0)))
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param))) == n_params
     assert m.local_layers().count(False) == (m.n_layers // m.global_every if m.global_every else m.n_layers)
+    if m.moe:
+        c = flops.param_counts(m, m.vocab_size)
+        assert 3.3e9 < c.matmul + c.embed + c.head + c.other < 3.4e9  # active: k of E experts (Qwen: 3.3B)
+
+
+def test_tpu_moe_experts_run_megablox_on_each_device_and_are_counted_by_formula():
+    # Compiled for a TPU (needs libtpu): XLA's gradient of ragged_dot for the weights computes
+    # every expert on every row there (E / k times the work); megablox's tgmm does not.
+    try:
+        PL.topology("v5e:2x2")
+    except C.ConfigError as e:
+        pytest.skip(str(e))
+    cfg = cfg_of("model.qk_norm=true", "model.n_experts=32", "model.n_experts_per_token=2", "model.d_ff_expert=256",
+                 "model.d_model=128", "model.dtype=bfloat16", "mesh.fsdp=2", "mesh.tensor=2")
+    lp = PL.plan(cfg, "v5e:2x2", engine=False).parts["learner"]
+    assert lp.attention.startswith("splash")  # its kernels by formula too
+    assert lp.kernel_flops == pytest.approx((flops.expert_kernel_flops(cfg) + flops.kernel_flops(cfg, backward=7)) / 4)
+    assert lp.flops - lp.kernel_flops < 3 * lp.model_flops  # the expanded gradient alone would be 8x the experts'
 
 
 def test_sliding_window_layers_count_only_the_pairs_they_attend():
