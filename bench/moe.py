@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table  # noqa: E402
 
 from async_rl.config import ModelConfig  # noqa: E402
-from async_rl.model import attention, flops, moe  # noqa: E402
+from async_rl.model import attention, flops, moe, sharding  # noqa: E402
 from async_rl.model.transformer import MLP, Transformer, layout  # noqa: E402
 from async_rl.rollout.decoding import generate_all  # noqa: E402
 from async_rl.rollout.engine import Engine  # noqa: E402
@@ -89,10 +89,10 @@ def cost_rows(a):
 
 def tpu_cost(a, block):
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     dev = topologies.get_topology_desc(platform="tpu", topology_name=a.topology).devices[:1]
-    mesh = Mesh(np.array(dev).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    mesh = sharding.build_mesh(list(dev), (1, 1, 1), sharding.AXES)
     spec = attention.resolve("auto", "tpu", "bfloat16", mesh, ("data", "fsdp"), "tensor")
     fn, params = step_fn(block, spec)
     put = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731

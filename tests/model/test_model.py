@@ -238,7 +238,7 @@ def test_remat_changes_memory_not_gradients(remat):
 def test_attention_choices_resolve_per_platform():
     assert attention.resolve("auto", "cpu", "float32").impl == "blockwise"
     assert attention.resolve("auto", "tpu", "bfloat16").impl == "splash"
-    assert attention.resolve("auto", "gpu", "bfloat16") == attention.Spec("cudnn", strict=False)
+    assert attention.resolve("auto", "gpu", "bfloat16") == attention.Spec("cudnn", strict=False, platform="gpu")
     assert attention.resolve("auto", "gpu", "float32").impl == "blockwise"  # cuDNN flash needs 16-bit
     for bad, platform in (("splash", "cpu"), ("cudnn", "cpu"), ("flash", "cpu")):
         with pytest.raises(ValueError, match="model.attention"):
