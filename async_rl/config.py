@@ -396,6 +396,10 @@ class LearnerConfig:
                self.ratio_level, f"is not defined with learner.is_correction={self.is_correction} (a per-token "
                "weight on a sequence ratio); use is_correction none or seq_tis")
 
+    def lora_projections(self) -> set[str]:
+        """The projections `lora_targets` names, its groups expanded."""
+        return {p for n in self.lora_targets.split(",") for p in LORA_GROUPS.get(n.strip(), (n.strip(),))}
+
 
 @dataclass(frozen=True)
 class Config:
@@ -421,8 +425,7 @@ class Config:
                        "required (no default) unless model.hf_path names a checkpoint")
         s = self.sampler
         if self.model.moe and self.learner.lora_rank:
-            named = {p for n in self.learner.lora_targets.split(",") for p in LORA_GROUPS.get(n.strip(), (n.strip(),))}
-            mlp = [n for n in LORA_GROUPS["mlp"] if n in named]
+            mlp = [n for n in LORA_GROUPS["mlp"] if n in self.learner.lora_projections()]
             _check(not mlp, "learner.lora_targets", self.learner.lora_targets, "MoE blocks take no adapters on "
                    f"their experts ({', '.join(mlp)}); set learner.lora_targets=attention")
         if self.engine.backend == "vllm":

@@ -131,7 +131,7 @@ def kernel_flops(cfg: C.Config, backward: int = 7, teacher=None) -> float:
     return out + (2 * unit(teacher.model) if teacher is not None else 0.0)
 
 
-def expert_kernel_flops(cfg: C.Config, teacher=None) -> float:
+def expert_kernel_flops(cfg: C.Config) -> float:
     """FLOPs of MoE grouped-matmul kernels that XLA's cost model does not see: megablox's gmm
     states its cost to XLA, its tgmm (the experts' weight gradient, in each backward pass) does
     not: 2 x k x 3 D F per token and MoE layer. 0 for dense models; a teacher has no backward."""

@@ -50,7 +50,7 @@ class LoraSpec:
 
 def projections(lc: LearnerConfig) -> tuple[str, ...]:
     """The projections `learner.lora_targets` names (groups expanded), in PROJECTIONS order."""
-    want = {p for n in lc.lora_targets.split(",") for p in LORA_GROUPS.get(n.strip(), (n.strip(),))}
+    want = lc.lora_projections()
     return tuple(p for p in PROJECTIONS if p in want)
 
 

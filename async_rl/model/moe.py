@@ -163,7 +163,7 @@ def stats(probs_NxE, e_NxK, valid_N) -> dict:
     e = probs_NxE.shape[-1]
     fm = valid_N.astype(jnp.float32)
     n = jnp.maximum(fm.sum(), 1.0)
-    count_E = (jax.nn.one_hot(e_NxK, e, dtype=jnp.float32).sum(1) * fm[:, None]).sum(0)
+    count_E = jnp.zeros(e, jnp.float32).at[e_NxK].add(jnp.broadcast_to(fm[:, None], e_NxK.shape))
     p_E = (probs_NxE * fm[:, None]).sum(0) / n
     ent_N = -(probs_NxE * jnp.log(jnp.maximum(probs_NxE, 1e-30))).sum(-1)
     return {"aux": e * jnp.sum(count_E / n * p_E), "load": count_E.max() / jnp.maximum(count_E.mean(), 1e-9),

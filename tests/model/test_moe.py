@@ -105,10 +105,8 @@ def test_moe_configs_no_block_here_computes_are_refused_in_one_line(tmp_path, ch
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
 
 
-def test_a_missing_or_misshaped_expert_is_named():
-    import tempfile
-    from pathlib import Path
-    hc, root = CONFIGS["qwen3_moe"], Path(tempfile.mkdtemp())
+def test_a_missing_or_misshaped_expert_is_named(tmp_path):
+    hc, root = CONFIGS["qwen3_moe"], tmp_path
     w = random_weights(hc)
     missing = {k: v for k, v in w.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
     with pytest.raises(hf.HFError, match=r"'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight' \(for parameter "
