@@ -349,6 +349,7 @@ class LearnerConfig:
     distill: str = "none"  # on-policy distillation: none | reverse_kl (per-token advantage log pi_teacher - log pi_behaviour)
     teacher: str = ""  # learner.distill's frozen teacher: a run directory (its newest verified step) or a Hugging Face directory
     distill_coef: float = 1.0  # weight of the distillation advantage beside the reward's (rollout.reward=none: it alone)
+    routing_replay: bool = False  # MoE: the learner's forward uses the experts the engine chose for each token (R3)
 
     def __post_init__(self):
         _check(self.lr > 0, "learner.lr", self.lr, "must be > 0")
@@ -428,6 +429,11 @@ class Config:
             mlp = [n for n in LORA_GROUPS["mlp"] if n in self.learner.lora_projections()]
             _check(not mlp, "learner.lora_targets", self.learner.lora_targets, "MoE blocks take no adapters on "
                    f"their experts ({', '.join(mlp)}); set learner.lora_targets=attention")
+        if self.learner.routing_replay:
+            _check(self.model.moe or (bool(self.model.hf_path) and not self.model.n_layers), "learner.routing_replay",
+                   True, "needs a mixture-of-experts model (model.n_experts > 0): a dense model has no routes")
+            _check(self.engine.backend == "builtin", "learner.routing_replay", True,
+                   f"needs engine.backend=builtin (engine.backend={self.engine.backend} returns no routes yet)")
         if self.engine.backend == "vllm":
             _check(not self.run.determinism, "run.determinism", True,
                    "needs engine.backend=builtin (vLLM is not bit-identical across kills)")

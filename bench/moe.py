@@ -10,8 +10,8 @@ cost to XLA; its tgmm's, the weights' gradient, is added by formula).
 
 Mismatch: a random Qwen3-MoE-shaped policy in bf16 generates with the built-in engine; the
 learner's full-row forward recomputes the sampled tokens' logprobs; max |delta logprob| and
-the mean k1 KL(engine || learner), beside a dense policy of the same width. (Routing replay,
-which should shrink the MoE figure, is not built yet.)
+the mean k1 KL(engine || learner), with and without routing replay (the learner's forward
+taking the experts the engine chose), beside a dense policy of the same width.
 
     .venv/bin/python bench/moe.py
     .venv/bin/python bench/moe.py --topology v5p:2x2x1    # needs libtpu
@@ -49,6 +49,7 @@ def parse_args():
     ap.add_argument("--d-ff-expert", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=64, help="mismatch: prompts, 4 samples of 32 tokens each")
     ap.add_argument("--topology", default="", help="also compile the cost step for this TPU topology (libtpu)")
     return ap.parse_args()
 
@@ -104,6 +105,8 @@ def tpu_cost(a, block):
 
 
 def mismatch_rows(a):
+    """Per policy (dense; MoE with the learner routing by itself; MoE replaying the engine's
+    routes): max |delta logprob| and mean k1 KL of the engine's sampled tokens, one generation each."""
     V, P, N = 256, 16, 32
     out = []
     for name, cfg in zip(("dense", "MoE"), blocks(a, dtype="bfloat16")):
@@ -112,24 +115,36 @@ def mismatch_rows(a):
         graphdef, params = nnx.split(Transformer(cfg, V, rngs=nnx.Rngs(0)))
         params = jax.tree.map(lambda x: x * 3.0, params)  # peaked outputs, as trained policies are
         eng = Engine(cfg, graphdef, vocab_size=V, slots=16, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
-                     top_k=0, top_p=1.0, seed=0, devices=jax.devices()[:1])
+                     top_k=0, top_p=1.0, seed=0, devices=jax.devices()[:1], routes=cfg.moe)
         rs = np.random.RandomState(0)
-        prompts = [rs.randint(4, V, rs.randint(4, P + 1)).astype(np.int32) for _ in range(16)]
-        rows = generate_all(eng, eng.load_params(params), prompts, samples=2, eos_id=-1)
-        fwd = jax.jit(lambda p, t, pos, v: nnx.merge(graphdef, p)(t, pos, v))
-        deltas, kls = [], []
-        for prompt, group in zip(prompts, rows):
-            for c in group:
-                start, positions, valid = layout(len(prompt), P, P + N, len(prompt) + len(c.tokens))
-                tokens = np.zeros(P + N, np.int32)
-                tokens[start:P] = prompt
-                tokens[P:P + len(c.tokens)] = c.tokens
-                logits = fwd(params, tokens[None], positions[None], valid[None])[0].astype(jnp.float32)
-                lp = jax.nn.log_softmax(logits[P - 1:P - 1 + len(c.tokens)], -1)
-                learner = np.asarray(jnp.take_along_axis(lp, jnp.asarray(c.tokens)[:, None], 1)[:, 0])
-                deltas.append(np.abs(learner - c.logprobs).max())
-                kls.append(np.mean(c.logprobs - learner))
-        out.append([name, f"{max(deltas):.3g}", f"{np.mean(kls):.2e}"])
+        prompts = [rs.randint(4, V, rs.randint(4, P + 1)).astype(np.int32) for _ in range(a.prompts)]
+        rows = generate_all(eng, eng.load_params(params), prompts, samples=4, eos_id=-1)
+
+        @jax.jit
+        def fwd(p, t, pos, v, routes):
+            model = nnx.merge(graphdef, p)
+            return model.logits(model.hidden(t, pos, v, routes_BxTxLxK=routes))
+
+        for replay in (False, True) if cfg.moe else (False,):
+            deltas, kls = [], []
+            for prompt, group in zip(prompts, rows):
+                for c in group:
+                    start, positions, valid = layout(len(prompt), P, P + N, len(prompt) + len(c.tokens))
+                    tokens = np.zeros(P + N, np.int32)
+                    tokens[start:P] = prompt
+                    tokens[P:P + len(c.tokens)] = c.tokens
+                    routes = None
+                    if replay:
+                        routes = np.full((P + N, cfg.n_layers, cfg.n_experts_per_token), -1, np.int32)
+                        routes[start:start + len(c.routes)] = c.routes
+                        routes = routes[None]
+                    logits = fwd(params, tokens[None], positions[None], valid[None], routes)[0]
+                    lp = jax.nn.log_softmax(logits[P - 1:P - 1 + len(c.tokens)].astype(jnp.float32), -1)
+                    learner = np.asarray(jnp.take_along_axis(lp, jnp.asarray(c.tokens)[:, None], 1)[:, 0])
+                    deltas.append(np.abs(learner - c.logprobs).max())
+                    kls.append(np.mean(c.logprobs - learner))
+            label = name if not cfg.moe else f"{name}, routing replay {'on' if replay else 'off'}"
+            out.append([label, f"{max(deltas):.3g}", f"{np.mean(kls):.2e}"])
     return out
 
 
@@ -144,7 +159,7 @@ def main():
     print_table(heads, [r[:len(heads)] for r in rows])
     m = flops.param_counts(blocks(a)[1], 256)
     print(f"(MoE block parameters: {m.trunk:,}, of which a token runs through {m.matmul:,})")
-    print("\nengine (built-in, bf16) vs learner (full-row forward, bf16) on the sampled tokens; no routing replay")
+    print("\nengine (built-in, bf16) vs learner (full-row forward, bf16) on the sampled tokens")
     print_table(["policy", "max |delta logprob|", "mean k1 KL(engine || learner)"], mismatch_rows(a))
 
 

@@ -96,8 +96,9 @@ def test_the_fleet_bench_prints_every_table():
 def test_the_moe_bench_prints_both_tables():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "bench/moe.py", "--d-model", "64", "--experts", "4", "--d-ff-expert", "32",
-                        "--tokens", "256", "--repeats", "1"], cwd=REPO, env=env, capture_output=True, text=True,
+                        "--tokens", "256", "--repeats", "1", "--prompts", "8"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for line in ("| dense SwiGLU, width k x F", "| MoE, E experts top-k", "| dense  ", "| MoE    "):
+    for line in ("| dense SwiGLU, width k x F", "| MoE, E experts top-k", "| dense  ", "| MoE, routing replay off ",
+                 "| MoE, routing replay on "):
         assert line in r.stdout, r.stdout[-3000:]

@@ -1,25 +1,26 @@
 """The rollout journal: every finished sample on disk, so a SIGKILL wastes no finished generation.
 
 Owns: appending each finished, rewarded sample (epoch, prompt_id, sample index, stream
-ordinal, tokens, behaviour logprobs, per-token versions, reward) to this process's segment
-files under `run.dir/journal/p<i>/`, checksummed per record, written at once and fsynced in
-batches by a background thread; reading them back on start-up (a torn tail is cut, a
-corrupt record skipped, each with a warning and a `drops.jsonl` line); supplying a
-journaled sample to a group the ledger holds again after a restore, when it passes the
-checks below, instead of the engine generating it; rotating segments at each checkpoint
-cut and deleting those a committed checkpoint made obsolete. Does not own: what is
-trained (the ledger, the sampler and the lineage decide; a journaled sample only
-replaces generation of a sample the ledger already asks for), the rules a sample's
-versions must satisfy (`sampler.fits`, `sampler.required_version`), the pump's loop, or
-the bytes of a record (`journal_format`).
+ordinal, tokens, behaviour logprobs, per-token versions, reward, and routes under routing
+replay) to this process's segment files under `run.dir/journal/p<i>/`, checksummed per
+record, written at once and fsynced in batches by a background thread; reading them back
+on start-up (a torn tail is cut, a corrupt record skipped, each with a warning and a
+`drops.jsonl` line); supplying a journaled sample to a group the ledger holds again after
+a restore, when it passes the checks below, instead of the engine generating it; rotating
+segments at each checkpoint cut and deleting those a committed checkpoint made obsolete.
+Does not own: what is trained (the ledger, the sampler and the lineage decide; a
+journaled sample only replaces generation of a sample the ledger already asks for), the
+rules a sample's versions must satisfy (`sampler.fits`, `sampler.required_version`), the
+pump's loop, or the bytes of a record (`journal_format`).
 
 A journaled sample is used for sample j of a group only if: the group's (epoch, prompt_id)
 and j match, its prompt tokens match (crc32), it was written under the same sampling
-settings (segment header), its first tokens are the restored partial sample's, the stream
-ordinal matches when the process layout (and data partition generation) is unchanged, and
-its versions fit the sampler's bound for the group (deterministic mode: exactly the
-version the engine would use, same ordinal). It is applied once every version it names is published, so no ledger token
-ever names weights the run does not have. See docs/design.md, "Rollout journal".
+settings (segment header), its first tokens (and routes) are the restored partial
+sample's, the stream ordinal matches when the process layout (and data partition
+generation) is unchanged, and its versions fit the sampler's bound for the group
+(deterministic mode: exactly the version the engine would use, same ordinal). It is
+applied once every version it names is published, so no ledger token ever names weights
+the run does not have. See docs/design.md, "Rollout journal".
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ class Journal:
         if s.turns and [t["key"] for t in (e.episode or {}).get("turns", [])[:len(s.turns)]] != \
                 [t["key"] for t in s.turns]:
             return "mismatch", "does not continue the checkpoint's env steps of this sample"
+        why = _routes_mismatch(g, s, e)
+        if why:
+            return "mismatch", why
         if self.deterministic:
             req = self.sampler.required_version(g)
             if e.vmin != req or e.vmax != req:
@@ -274,6 +278,9 @@ class Journal:
         s.tokens.extend(e.tokens[k:].tolist())
         s.logprobs.extend(e.logprobs[k:].tolist())
         s.versions.extend(e.versions[k:].tolist())
+        m = s.n_routes
+        if e.routes is not None and len(e.routes) > m:  # appended too: the sample's rows so far are the record's
+            s.routes.append(e.routes[m:].copy())
         if e.episode is not None:
             self.usage.env_steps += e.turns - len(s.turns)
             s.set_episode(e.episode)
@@ -486,6 +493,23 @@ class Journal:
                 f"samples ({u.tokens} tokens){steps} of restored groups taken from it"
                 + (f", {waiting} waiting for the weights that made them" if waiting else "")
                 + f", up to {rest} more as the stream reaches their groups")
+
+
+def _routes_mismatch(g: Group, s: Sample, e: Entry) -> str:
+    """Why a record's routes cannot continue the sample's ("" if they can): more rows than its
+    positions, or rows that differ from the ones the sample has (a record without routes
+    leaves them as they are)."""
+    if e.routes is None:
+        return ""
+    if len(e.routes) > len(g.prompt_tokens) + len(e.tokens) - 1:
+        return f"{len(e.routes)} route rows for {len(g.prompt_tokens) + len(e.tokens) - 1} positions"
+    if not s.routes:
+        return ""
+    mine = s.route_rows()
+    n = min(len(mine), len(e.routes))
+    if mine.shape[1:] != e.routes.shape[1:] or not np.array_equal(mine[:n], e.routes[:n]):
+        return f"does not continue the checkpoint's routes of this sample (shape {mine.shape} vs {e.routes.shape})"
+    return ""
 
 
 def open_journal(cfg, run_dir, *, step: int, process_index: int, process_count: int, stop_ids, log,

@@ -2,8 +2,10 @@
 
 Owns: the byte layout of a journal record (`magic | payload bytes | crc32 | payload`; a
 header record opening each segment, then one record per finished sample, and for multi-turn
-episodes one per recorded env step too), encoding a sample, splitting a segment into records with valid checksums (corrupt ranges and a torn
-tail reported, not guessed at), decoding them into `Entry`s, and the sampling signature a
+episodes one per recorded env step too; a sample with routing replay's routes ends its
+payload with them, a sample without has the layout it always had), encoding a sample,
+splitting a segment into records with valid checksums (corrupt ranges and a torn tail
+reported, not guessed at), decoding them into `Entry`s, and the sampling signature a
 segment is written under. Does not own: when records are written, which are used, or which
 files are deleted (journal).
 """
@@ -26,6 +28,8 @@ MAGIC = b"\xa5JR1"
 _FRAME = struct.Struct("<4sII")  # magic, payload bytes, crc32 of the payload
 _SAMPLE = struct.Struct("<BqqqiiIId")  # kind, epoch, prompt_id, ordinal, sample, regenerations, prompt crc, n, reward
 _EPISODE = struct.Struct("<?I")  # after a sample's fields: done, bytes of the episode's JSON
+_ROUTES = struct.Struct("<IHHB")  # an optional last block: rows, layers, k, bytes per expert id; then the ids
+_ROUTE_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2")}
 KIND_HEADER, KIND_SAMPLE, KIND_EPISODE = 0, 1, 2
 FORMAT = 1
 
@@ -45,10 +49,35 @@ def _frame(payload: bytes) -> bytes:
     return _FRAME.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
+def _routes_block(g: Group, s: Sample) -> bytes:
+    """The sample's route rows as raw bytes after a small header (b"" without routes: the
+    record keeps its old layout). Rows past prompt + tokens - 1 belong to no position yet."""
+    if not s.routes:
+        return b""
+    r = s.route_rows()[:len(g.prompt_tokens) + len(s.tokens) - 1]
+    if not len(r):
+        return b""
+    r = np.ascontiguousarray(r, _ROUTE_DTYPES[r.dtype.itemsize])
+    return _ROUTES.pack(len(r), r.shape[1], r.shape[2], r.dtype.itemsize) + r.tobytes()
+
+
+def _decode_routes(p: bytes, o: int) -> np.ndarray | None | bool:
+    """The routes block at offset o, the payload's last (None: none there; False: malformed)."""
+    if len(p) == o:
+        return None
+    if len(p) < o + _ROUTES.size:
+        return False
+    m, L, k, size = _ROUTES.unpack_from(p, o)
+    dt = _ROUTE_DTYPES.get(size)
+    if dt is None or not (m and L and k) or len(p) != o + _ROUTES.size + m * L * k * size:
+        return False
+    return np.frombuffer(p, dt, m * L * k, o + _ROUTES.size).reshape(m, L, k)
+
+
 def encode_sample(g: Group, si: int, s: Sample, reward: float, crc: int) -> bytes:
     n = len(s.tokens)
     return _frame(_sample_struct(n).pack(KIND_SAMPLE, g.epoch, g.prompt_id, g.ordinal, si, g.regenerations, crc,
-                                         n, reward, *s.tokens, *s.logprobs, *s.versions))
+                                         n, reward, *s.tokens, *s.logprobs, *s.versions) + _routes_block(g, s))
 
 
 def encode_episode(g: Group, si: int, s: Sample, reward: float | None, crc: int) -> bytes:
@@ -58,7 +87,7 @@ def encode_episode(g: Group, si: int, s: Sample, reward: float | None, crc: int)
     done = reward is not None
     head = _sample_struct(n).pack(KIND_EPISODE, g.epoch, g.prompt_id, g.ordinal, si, g.regenerations, crc, n,
                                   reward if done else float("nan"), *s.tokens, *s.logprobs, *s.versions)
-    return _frame(head + _EPISODE.pack(done, len(ep)) + ep)
+    return _frame(head + _EPISODE.pack(done, len(ep)) + ep + _routes_block(g, s))
 
 
 def encode_header(doc: dict) -> bytes:
@@ -82,6 +111,7 @@ class Entry:
     where: str  # file:offset, for messages
     done: bool = True  # False: a multi-turn episode's progress after an env step
     episode: dict | None = None  # the episode's turns and env state (multi-turn samples)
+    routes: np.ndarray | None = None  # [rows, layers, k] uint8/uint16 (routing replay), rows of prompt + tokens
 
     @property
     def vmin(self) -> int:
@@ -102,24 +132,28 @@ def _decode_sample(p: bytes, layout: tuple, where: str) -> Entry | None:
         return None
     kind, epoch, pid, ordinal, si, regen, crc, n, reward = _SAMPLE.unpack_from(p)
     end = _SAMPLE.size + 12 * n
-    if n == 0 or len(p) < end or (kind == KIND_SAMPLE and len(p) != end):
+    if n == 0 or len(p) < end:
         return None
     o = _SAMPLE.size
     t, lp, v = (np.frombuffer(p, dt, n, o + 4 * n * i) for i, dt in enumerate(("<i4", "<f4", "<i4")))
     if kind == KIND_SAMPLE:
-        return Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout, where)
+        routes = _decode_routes(p, end)
+        return None if routes is False else Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout,
+                                                  where, routes=routes)
     if len(p) < end + _EPISODE.size:
         return None
     done, k = _EPISODE.unpack_from(p, end)
-    if len(p) != end + _EPISODE.size + k:
+    o = end + _EPISODE.size + k
+    routes = _decode_routes(p, o) if len(p) >= o else False
+    if routes is False:
         return None
     try:
-        ep = json.loads(p[end + _EPISODE.size:])
+        ep = json.loads(p[end + _EPISODE.size:o])
     except ValueError:
         return None
     if not isinstance(ep, dict) or not isinstance(ep.get("turns", []), list):
         return None
-    return Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout, where, bool(done), ep)
+    return Entry(epoch, pid, ordinal, si, regen, crc, reward, t, lp, v, layout, where, bool(done), ep, routes)
 
 
 def scan(data: bytes) -> tuple[list[tuple[int, bytes]], list[tuple[int, int]], tuple[int, int] | None]:
@@ -196,7 +230,7 @@ def signature(cfg, reward: str, stop_ids) -> dict:
     return {"seed": cfg.run.seed, "engine.temperature": e.temperature, "engine.top_k": e.top_k,
             "engine.top_p": e.top_p, "rollout.max_new_tokens": r.max_new_tokens,
             "rollout.samples_per_prompt": r.samples_per_prompt, "rollout.reward": reward,
-            "stop_ids": sorted(int(s) for s in stop_ids)} | _episode_signature(r)
+            "stop_ids": sorted(int(s) for s in stop_ids)} | _episode_signature(r) | _routes_signature(cfg)
 
 
 def _episode_signature(r) -> dict:
@@ -205,3 +239,9 @@ def _episode_signature(r) -> dict:
         return {}
     return {"rollout.env": r.env, "rollout.env_max_turns": r.env_max_turns,
             "rollout.turn_max_tokens": r.turn_max_tokens}
+
+
+def _routes_signature(cfg) -> dict:
+    """Named only under routing replay: its samples carry routes, and a session's samples
+    without them could not be replayed (segments without it keep their signature)."""
+    return {"learner.routing_replay": True} if cfg.learner.routing_replay else {}

@@ -2,10 +2,11 @@
 
 Owns: one `Group` per drawn record (prompt, stream ordinal, target step, and per sample
 the tokens so far with behaviour logprobs and per-token policy versions, done flag,
-reward), their states, the lock that makes "draw from the iterator" and "enter the
-ledger" one step, and the conversion to and from a snapshot of ragged arrays for the
-checkpoint. Does not own: which groups train when (sampler), the engine (pump), the
-iterator itself (pump), or writing files (checkpoint, lineage).
+reward, and under routing replay the experts each position was routed to), their states,
+the lock that makes "draw from the iterator" and "enter the ledger" one step, and the
+conversion to and from a snapshot of ragged arrays for the checkpoint. Does not own:
+which groups train when (sampler), the engine (pump), the iterator itself (pump), or
+writing files (checkpoint, lineage).
 
 Invariant I1 lives here: a group leaves only through `commit` (trained, written to the
 lineage log by the caller under the same lock) or `drop` (explicit, counted, logged).
@@ -64,6 +65,33 @@ class Sample:
     env_reward: float | None = None  # a final reward the env gave (wins over rollout.reward)
     awaiting: bool = False  # an assistant turn ended and its env step is not recorded yet
     in_env: bool = False  # its env step runs now (never saved)
+    # routing replay (learner.routing_replay): the experts the engine chose, uint8/16 segments
+    # [n, n_layers, k] whose rows are positions 0, 1, ... of prompt + tokens (the position
+    # that predicted token i is prompt length - 1 + i; at most prompt + tokens - 1 rows)
+    routes: list = field(default_factory=list)
+
+    def route_rows(self):
+        """The recorded routes as one array [m, n_layers, k] (None: none recorded)."""
+        if not self.routes:
+            return None
+        return self.routes[0] if len(self.routes) == 1 else np.concatenate(self.routes)
+
+    @property
+    def n_routes(self) -> int:
+        return sum(len(r) for r in self.routes)
+
+    def add_routes(self, prompt_len: int, head, routes) -> None:
+        """Before new tokens are appended: the rows of the positions a start prefilled that the
+        sample has none for yet (`head`: a new sample's prompt, an episode's observations; the
+        saved tokens' own stay), then one row per new token (`routes`). A sample whose rows
+        would not line up with its positions (routes recorded only in part) keeps none: the
+        learner routes it itself."""
+        if head is not None and len(head) > self.n_routes:
+            self.routes.append(head[self.n_routes:])
+        if self.n_routes != prompt_len - 1 + len(self.tokens):
+            self.routes = []  # a new list: a checkpoint cut taken before keeps the old one
+        else:
+            self.routes.append(routes)
 
     @property
     def started(self) -> bool:
@@ -196,7 +224,8 @@ class Ledger:
         reset or removed only by the thread that saves, so the recorded prefixes stay put."""
         with self.lock, _gc_paused():
             groups = list(self.groups.values())
-            samples = [[(s, len(s.tokens), s.done, s.reward, _episode_json(s)) for s in g.samples] for g in groups]
+            samples = [[(s, len(s.tokens), s.done, s.reward, _episode_json(s), len(s.routes), s.routes) for s in g.samples]
+                       for g in groups]
             ints = [(g.ordinal, g.prompt_id, g.epoch, -1 if g.target_step is None else g.target_step,
                      g.regenerations) for g in groups]
             counters = {"samples_per_prompt": self.samples_per_prompt, "next_ordinal": self.next_ordinal,
@@ -233,6 +262,7 @@ class Ledger:
         done, reward = a["done"].tolist(), a["reward"].tolist()
         texts = _unpack_texts(a["text_bytes"], a["text_lens"])
         episodes = _unpack_texts(a["episode_bytes"], a["episode_lens"]) if "episode_lens" in a else None
+        r_off = np.concatenate([[0], np.cumsum(a["route_lens"])]).tolist() if "route_lens" in a else None
         for i, (ordinal, pid, epoch, step, regen) in enumerate(a["group_ints"].tolist()):
             samples = []
             for j in range(i * S, (i + 1) * S):
@@ -241,6 +271,8 @@ class Ledger:
                              done=done[j], reward=None if reward[j] != reward[j] else reward[j])
                 if episodes is not None and episodes[j]:
                     smp.set_episode(json.loads(episodes[j]))
+                if r_off is not None and r_off[j + 1] > r_off[j]:  # a copy: the loaded file's buffer can go
+                    smp.routes.append(a["routes"][r_off[j]:r_off[j + 1]].copy())
                 samples.append(smp)
             led.groups[ordinal] = Group(
                 ordinal=ordinal, prompt_id=pid, epoch=epoch, prompt=texts[2 * i], answer=texts[2 * i + 1],
@@ -252,7 +284,9 @@ class Ledger:
 @dataclass
 class Capture:
     groups: list[Group]
-    samples: list[list[tuple]]  # per group, per sample: (Sample, tokens at the cut, done, reward, episode JSON)
+    # per group, per sample: (Sample, tokens at the cut, done, reward, episode JSON, route segments at the
+    # cut, the route list they are in)
+    samples: list[list[tuple]]
     ints: list[tuple]  # per group: ordinal, prompt_id, epoch, target_step (-1 = none), regenerations
     counters: dict
 
@@ -287,7 +321,30 @@ class Capture:
         }
         if any(x[4] for x in flat):  # multi-turn episodes: one JSON text per sample ("" = none)
             arrays["episode_bytes"], arrays["episode_lens"] = _pack_texts([x[4] for x in flat])
+        if any(x[5] for x in flat):  # routing replay: the rows of each sample's positions at the cut
+            routes, lens = self._routes()
+            if routes is not None:
+                arrays["routes"], arrays["route_lens"] = routes, lens
         return LedgerSnapshot(header=dict(self.counters), arrays=arrays)
+
+    def _routes(self) -> tuple[np.ndarray | None, np.ndarray]:
+        """Every sample's route rows at the cut, concatenated (None: no rows), and rows per sample.
+        Only segments recorded by the cut, and of those at most prompt - 1 + tokens rows: a
+        segment may have been recorded with tokens the cut does not have."""
+        parts, lens = [], []
+        for g, per in zip(self.groups, self.samples):
+            for smp, k, *_, segs, held in per:
+                cap = left = max(0, len(g.prompt_tokens) - 1 + k)
+                for r in held[:segs]:  # the list the cut saw (`Sample.add_routes` may replace it since)
+                    if left <= 0:
+                        break
+                    parts.append(r[:left])
+                    left -= len(parts[-1])
+                lens.append(cap - left)
+        lens = np.array(lens, np.int64)
+        if not lens.sum():
+            return None, lens
+        return np.concatenate([p for p in parts if len(p)]), lens
 
 
 def _episode_json(s: Sample) -> str:
@@ -317,6 +374,24 @@ def _lengths(name: str, lens: np.ndarray, count: int, data: np.ndarray, minimum:
     if len(lens) != count or (count and lens.min() < minimum) or int(lens.sum()) != len(data):
         raise ValueError(f"{name}: {len(lens)} entries (expected {count}) summing to {int(lens.sum())}, "
                          f"data has {len(data)}")
+
+
+def _check_routes(a: dict, count: int, S: int) -> None:
+    """Routing replay's arrays: one row count per sample, each within its prompt + tokens - 1."""
+    if "routes" not in a or "route_lens" not in a:
+        raise ValueError("routes and route_lens must be saved together")
+    r, lens = a["routes"], a["route_lens"]
+    if r.ndim != 3 or lens.ndim != 1 or not (np.issubdtype(r.dtype, np.integer) and
+                                            np.issubdtype(lens.dtype, np.integer)):
+        raise ValueError(f"routes {r.shape} {r.dtype} (expected [rows, layers, k] of integers), "
+                         f"route_lens {lens.dtype}")
+    _lengths("route_lens", lens, count, r)
+    most = np.repeat(a["prompt_lens"], S) + a["sample_lens"] - 1
+    if count and (lens > most).any():
+        j = int(np.argmax(lens > most))
+        raise ValueError(f"sample {j} has {int(lens[j])} route rows, more than its {int(most[j])} positions")
+    if len(r) and np.issubdtype(r.dtype, np.signedinteger) and r.min() < 0:
+        raise ValueError("negative expert ids in routes")
 
 
 @dataclass
@@ -360,6 +435,8 @@ class LedgerSnapshot:
         _lengths("text_lens", a["text_lens"], 2 * G, a["text_bytes"])
         if "episode_lens" in a:
             _lengths("episode_lens", a["episode_lens"], G * S, a["episode_bytes"])
+        if "routes" in a or "route_lens" in a:
+            _check_routes(a, G * S, S)
         n = len(a["tokens"])
         if len(a["logprobs"]) != n or len(a["versions"]) != n:
             raise ValueError(f"tokens {n}, logprobs {len(a['logprobs'])}, versions {len(a['versions'])}")

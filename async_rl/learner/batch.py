@@ -28,6 +28,7 @@ class Row(NamedTuple):
     versions: np.ndarray  # int32 [n] policy version that produced each token (-1: an env's observation)
     reward: float
     truncated: bool = False  # stopped at rollout.max_new_tokens without a stop token
+    routes: np.ndarray | None = None  # routing replay: uint [m, n_layers, k], experts at positions 0.. of prompt + tokens
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Batch:
     rewards_B: np.ndarray  # float32
     row_valid_B: np.ndarray  # bool rows of real groups (a short last step is padded)
     truncated_B: np.ndarray  # bool completions cut at the length cap (no stop token)
+    # routing replay: int16 [B, T, n_layers, k] the engine's experts per column (-1: the learner routes)
+    routes_BxTxLxK: np.ndarray | None = None
 
     @property
     def widths(self) -> tuple[int, int]:
@@ -51,7 +54,7 @@ class Batch:
         return self.tokens_BxT.shape[1] - n, n
 
     def device_dict(self) -> dict[str, np.ndarray]:
-        return {k: v for k, v in self.__dict__.items() if k != "versions_BxN"}
+        return {k: v for k, v in self.__dict__.items() if k != "versions_BxN" and v is not None}
 
 
 def bucket(n: int, smallest: int, cap: int) -> int:
@@ -70,11 +73,12 @@ def bucket_widths(smallest: int, cap: int) -> list[int]:
 
 
 def build_batch(rows: Sequence[Row], *, n_rows: int, prompt_len: int, max_new: int, pad_id: int,
-                bucket_min: int = 0) -> Batch:
+                bucket_min: int = 0, routes: tuple[int, int] | None = None) -> Batch:
     """Lays `rows` (group-major) out in `n_rows` rows; the rest are padding (row_valid False).
 
     Widths: the longest prompt and completion, each rounded up by `bucket` (`bucket_min` 0:
-    always `prompt_len` + `max_new`, the engine's column layout)."""
+    always `prompt_len` + `max_new`, the engine's column layout). `routes`: (n_layers, k) of
+    an MoE policy under routing replay: the rows' recorded experts go in `routes_BxTxLxK`."""
     if len(rows) > n_rows:
         raise ValueError(f"build_batch: {len(rows)} rows do not fit a batch of {n_rows}")
     P = bucket(max((len(r.prompt_tokens) for r in rows), default=0), bucket_min, prompt_len)
@@ -103,7 +107,14 @@ def build_batch(rows: Sequence[Row], *, n_rows: int, prompt_len: int, max_new: i
         rewards[r] = row.reward
         row_valid[r] = True
         truncated[r] = row.truncated
-    return Batch(tokens, positions, valid, comp, behav, mask, versions, rewards, row_valid, truncated)
+    batch = Batch(tokens, positions, valid, comp, behav, mask, versions, rewards, row_valid, truncated)
+    if routes is not None:
+        batch.routes_BxTxLxK = np.full((B, T) + tuple(routes), -1, np.int16)
+        for r, row in enumerate(rows):
+            if row.routes is not None and len(row.routes):
+                start = P - len(row.prompt_tokens)
+                batch.routes_BxTxLxK[r, start:start + len(row.routes)] = row.routes
+    return batch
 
 
 def widen(batch: Batch, prompt_width: int, new_width: int, pad_id: int) -> Batch:
@@ -118,7 +129,10 @@ def widen(batch: Batch, prompt_width: int, new_width: int, pad_id: int) -> Batch
     # columns appended on the right continue each row's positions
     if dn:
         positions[:, -dn:] = positions[:, -dn - 1:-dn] + np.arange(1, dn + 1)
+    routes = batch.routes_BxTxLxK
+    if routes is not None:
+        routes = np.pad(routes, ((0, 0), (dp, dn), (0, 0), (0, 0)), constant_values=-1)
     return Batch(cols(batch.tokens_BxT, pad_id, dp, dn), positions, cols(batch.valid_BxT, False, dp, dn),
                  cols(batch.completion_BxN, pad_id, 0, dn), cols(batch.behav_logp_BxN, 0.0, 0, dn),
                  cols(batch.mask_BxN, False, 0, dn), cols(batch.versions_BxN, -1, 0, dn), batch.rewards_B,
-                 batch.row_valid_B, batch.truncated_B)
+                 batch.row_valid_B, batch.truncated_B, routes)

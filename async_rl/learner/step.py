@@ -238,6 +238,8 @@ class Learner:
     def _batch_shardings(self):
         shapes = {"tokens_BxT": 2, "positions_BxT": 2, "valid_BxT": 2, "completion_BxN": 2,
                   "behav_logp_BxN": 2, "mask_BxN": 2, "rewards_B": 1, "row_valid_B": 1, "truncated_B": 1}
+        if self.cfg.learner.routing_replay:
+            shapes["routes_BxTxLxK"] = 4
         return {k: sharding.batch_sharding(self.mesh, nd) for k, nd in shapes.items()}
 
     def _model(self, params, second):
@@ -248,14 +250,16 @@ class Learner:
         """The KL reference: the initial weights, or the base without adapters."""
         return nnx.merge(self.base_graphdef, second)
 
-    def _model_logprobs(self, model, b, router: bool = False):
+    def _model_logprobs(self, model, b, router: bool = False, replay: bool = False):
         """(logprobs, entropies) of the completion tokens; `router`: also the MoE router's
-        per-layer statistics (`moe.stats`)."""
+        per-layer statistics (`moe.stats`); `replay`: the policy under routing replay takes the
+        engine's experts (`routes_BxTxLxK`, when the batch has them)."""
         t, n = b["tokens_BxT"].shape[1], b["completion_BxN"].shape[1]
         pb = t - n  # the batch's prompt width; its column 0 is the engine's column P - pb
         x = model.hidden(b["tokens_BxT"], b["positions_BxT"], b["valid_BxT"], col_offset=self.P - pb,
                          attn=self.attn, remat=self.cfg.learner.remat, unroll=self.unroll or self._layer_unroll,
-                         gather=self.gather, router=router)
+                         gather=self.gather, router=router,
+                         routes_BxTxLxK=b.get("routes_BxTxLxK") if replay else None)
         x, routed = x if router else (x, None)
         x_c = x[:, pb - 1:pb + n - 1]  # column c-1 predicts column c
         out = losses.completion_logprobs(model.logits, x_c, b["completion_BxN"], self.cfg.engine.temperature,
@@ -288,7 +292,7 @@ class Learner:
         """One micro-batch's share of the update's loss (its sums over the update's token count)."""
         lc = self.cfg.learner
         mask, moe = mb["mask_BxN"], self.cfg.model.moe
-        logp, ent, *routed = self._model_logprobs(self._model(params, ref_params), mb, router=moe)
+        logp, ent, *routed = self._model_logprobs(self._model(params, ref_params), mb, router=moe, replay=True)
         low, high = lc.clip_eps_low or lc.clip_eps, lc.clip_eps_high or lc.clip_eps
         loss, stats = losses.policy_loss(logp, mb["behav_logp_BxN"], mb["adv_B"], mask, clip_eps=low, clip_high=high,
                                          correction=lc.is_correction, is_cap=lc.is_cap, prox_BxN=mb.get("prox_BxN"),
@@ -334,12 +338,14 @@ class Learner:
         (loss, stats, grads), _ = jax.lax.scan(micro, acc0, self._split(rows, k), unroll=self.unroll or 1)
         return loss, stats, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
-    def _rows_logprobs(self, model, rows):
-        """`model`'s logprobs of every row's completion, micro-batch by micro-batch (no gradient)."""
+    def _rows_logprobs(self, model, rows, replay: bool = False):
+        """`model`'s logprobs of every row's completion, micro-batch by micro-batch (no gradient);
+        `replay`: see `_model_logprobs`."""
         k = self._micro_count(rows["mask_BxN"].shape[0])
         if k == 1:
-            return jax.lax.stop_gradient(self._model_logprobs(model, rows)[0])
-        _, lp = jax.lax.scan(lambda c, mb: (c, self._model_logprobs(model, mb)[0]), None, self._split(rows, k),
+            return jax.lax.stop_gradient(self._model_logprobs(model, rows, replay=replay)[0])
+        _, lp = jax.lax.scan(lambda c, mb: (c, self._model_logprobs(model, mb, replay=replay)[0]), None,
+                             self._split(rows, k),
                              unroll=self.unroll or 1)
         return jax.lax.stop_gradient(lp.swapaxes(0, 1).reshape(rows["mask_BxN"].shape))
 
@@ -390,7 +396,7 @@ class Learner:
             state, stats = self._update(state, ref_params, rows)
         else:
             if lc.is_correction != "none":  # "none" clips against the behaviour policy instead
-                rows["prox_BxN"] = self._rows_logprobs(self._model(state["params"], ref_params), rows)
+                rows["prox_BxN"] = self._rows_logprobs(self._model(state["params"], ref_params), rows, replay=True)
             parts = self._split(rows, m)
 
             def one(state, i):

@@ -4,7 +4,8 @@ a SwiGLU MLP, and the token's output is their routing-weighted sum.
 Owns: the block's MoE parameters (`router` [D, E], `experts_gate`/`experts_up` [E, D, F],
 `experts_down` [E, F, D], stacked over layers like every block parameter), routing (softmax in
 fp32, top-k, renormalised when `model.norm_topk_prob`), the dropless expert compute, and the
-router's statistics (load-balancing loss, expert load, entropy). Does not own: the block around
+router's statistics (load-balancing loss, expert load, entropy), and routing replay (given
+experts in place of the top-k, weighted by the router's own probabilities). Does not own: the block around
 it (`transformer`), checkpoint names (`hf`), the loss weighting (`learner`).
 
 Dropless: every (token, expert) pair is computed, none dropped for capacity. The pairs are
@@ -24,10 +25,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from async_rl.config import ModelConfig
+
+
+def routes_dtype(n_experts: int) -> np.dtype:
+    """The host dtype of recorded expert ids (routing replay): one byte up to 256 experts."""
+    return np.dtype(np.uint8 if n_experts <= 256 else np.uint16)
 
 
 def grouped(x_MxK, w_GxKxN, sizes_G, impl: str = "xla", interpret: bool = False):
@@ -61,11 +68,16 @@ class MoE(nnx.Module):
         down_std = 1 / math.sqrt(f) / math.sqrt(2 * cfg.n_layers)
         self.experts_down = _param(rngs, stack, (e, f, d), ("experts", "mlp", "embed"), down_std, pdt)
 
-    def route(self, x_NxD):
-        """(router probabilities [N, E] fp32, top-k weights [N, k] fp32, top-k experts [N, k])."""
+    def route(self, x_NxD, forced_NxK=None):
+        """(router probabilities [N, E] fp32, top-k weights [N, k] fp32, experts used [N, k]).
+        `forced_NxK` (routing replay): rows whose first id is >= 0 use those experts, weighted
+        by the router's probabilities there (so the router still learns); -1 rows their top-k."""
         logits = jnp.dot(x_NxD.astype(self.dtype), self.router[...].astype(self.dtype))
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         w_NxK, e_NxK = jax.lax.top_k(probs, self.k)
+        if forced_NxK is not None:
+            e_NxK = jnp.where(forced_NxK[:, :1] >= 0, forced_NxK.astype(e_NxK.dtype), e_NxK)
+            w_NxK = jnp.take_along_axis(probs, e_NxK, axis=-1)
         if self.norm_topk:
             w_NxK = w_NxK / w_NxK.sum(-1, keepdims=True)
         return probs, w_NxK, e_NxK
@@ -88,15 +100,20 @@ class MoE(nnx.Module):
                           out_specs=rows, check_vma=False)
         return f(x_NxD, w_NxK, e_NxK, *ws)
 
-    def __call__(self, x, shard=lambda y, features=False: y, valid=None, spec=None):
-        """The MoE output for `x` [..., D]; with `valid` (a bool mask of x's leading shape) also
-        the router's statistics over the valid tokens (`stats`). `spec`: see `experts`."""
+    def routed(self, x, valid=None, spec=None, forced=None):
+        """(the MoE output for `x` [..., D], the router's `stats` over the `valid` tokens (a bool
+        mask of x's leading shape; None without), the experts used [..., k]). `forced` [..., k]:
+        experts to use (`route`); `spec`: see `experts`."""
         x_NxD = x.reshape(-1, x.shape[-1])
-        probs, w_NxK, e_NxK = self.route(x_NxD)
+        probs, w_NxK, e_NxK = self.route(x_NxD, None if forced is None else forced.reshape(-1, self.k))
         y = self.experts(x_NxD, w_NxK, e_NxK, spec).reshape(x.shape)
-        if valid is None:
-            return y
-        return y, stats(probs, e_NxK, valid.reshape(-1))
+        router = None if valid is None else stats(probs, e_NxK, valid.reshape(-1))
+        return y, router, e_NxK.reshape(x.shape[:-1] + (self.k,))
+
+    def __call__(self, x, shard=lambda y, features=False: y, valid=None, spec=None):
+        """The MoE output for `x` [..., D]; with `valid` also the router's statistics (`routed`)."""
+        y, router, _ = self.routed(x, valid, spec)
+        return y if valid is None else (y, router)
 
 
 def _experts(x_NxD, w_NxK, e_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, n_experts: int, impl: str,

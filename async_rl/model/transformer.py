@@ -19,6 +19,10 @@ this layout, the engine's logprobs and the learner's recomputation see the same
 computation up to floating-point reassociation. A narrower row (the learner's length
 buckets) keeps the same RoPE positions and passes `col_offset`, the absolute column of
 its first column, for the learned position table.
+
+Routing replay (an MoE model): `hidden` can take the experts every layer uses per column
+(`routes_BxTxLxK`, ids as `moe.MoE.route` orders them; -1 rows route themselves), and
+`prefill_at` / `decode` / `decode_paged` can return the experts they used (`experts=True`).
 """
 
 from __future__ import annotations
@@ -315,20 +319,21 @@ class Block(nnx.Module):
     def qkv(self, x_BxTxD, positions_BxT, pin: bool = False, local=None):
         return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT, pin, local)
 
-    def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y, valid_BxT=None, spec=None):
+    def finish(self, x_BxTxD, attn_BxTxE, shard=lambda y, features=False: y, valid_BxT=None, spec=None,
+               routes_BxTxK=None):
         """Output projection, residual and MLP, given the attention output; `shard` pins
-        activation layouts (`attention.Spec.shard`). With `valid_BxT`, returns (x, the MoE
-        router's `moe.stats` over the valid tokens, None for a dense block); `spec`: the
-        attention.Spec whose platform and mesh pick the experts' kernel (`moe.MoE.experts`)."""
+        activation layouts (`attention.Spec.shard`). Returns (x, the MoE router's `moe.stats`
+        over the `valid_BxT` tokens (None without, or for a dense block), the experts used
+        [B, T, k] (None for a dense block)). `spec`: the attention.Spec whose platform and mesh
+        pick the experts' kernel (`moe.MoE.experts`); `routes_BxTxK`: experts to use (`moe.MoE.route`)."""
         a = self.attn.o(attn_BxTxE)
         x = shard(x_BxTxD + (a if self.post_attn_norm is None else self.post_attn_norm(a)))
         if isinstance(self.mlp, moe.MoE):
-            m = self.mlp(self.mlp_norm(x), shard, valid_BxT, spec)
-            m, router = m if valid_BxT is not None else (m, None)
+            m, router, e_BxTxK = self.mlp.routed(self.mlp_norm(x), valid_BxT, spec, routes_BxTxK)
         else:
-            m, router = self.mlp(self.mlp_norm(x), shard), None
+            m, router, e_BxTxK = self.mlp(self.mlp_norm(x), shard), None, None
         x = shard(x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m)))
-        return (x, router) if valid_BxT is not None else x
+        return x, router, e_BxTxK
 
 
 def _stack_blocks(blocks: list[Block], cfg: ModelConfig, lora=None) -> Block:
@@ -444,37 +449,54 @@ class Transformer(nnx.Module):
             ys.append(y)
         return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None
 
+    def _check_moe(self, what: str, routes_BxTxLxK=None, shape=()):
+        if not self.cfg.moe:
+            raise ValueError(f"{what}: a dense model has no expert routes")
+        want = tuple(shape) + (self.cfg.n_layers, self.cfg.n_experts_per_token)
+        if routes_BxTxLxK is not None and tuple(routes_BxTxLxK.shape) != want:
+            raise ValueError(f"{what}: routes of shape {tuple(routes_BxTxLxK.shape)}, expected {want}")
+
     def _trunk(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat="none",
-               unroll=1, gather=None, keep_cache=False, router=False):
+               unroll=1, gather=None, keep_cache=False, router=False, routes_BxTxLxK=None, experts=False):
+        """(x, cache or None, per-layer router stats or None, experts used [B, T, L, k] or None)."""
         t = tokens_BxT.shape[1]
         spec = attn or default_attention(self.cfg)
         x = self._embed(tokens_BxT, jnp.arange(t)[None] + col_offset)
         window = self.cfg.sliding_window
+        forced_LxBxTxK = None
+        if routes_BxTxLxK is not None:
+            self._check_moe("routes_BxTxLxK", routes_BxTxLxK, tokens_BxT.shape)
+            forced_LxBxTxK = jnp.asarray(routes_BxTxLxK).astype(jnp.int32).transpose(2, 0, 1, 3)
 
-        def body(x, block, local):
+        def body(x, block, xs):
+            local, forced = xs
             q, k, v = block.qkv(spec.shard(x), positions_BxT, local=local)
             if local is None:
                 out = attention.self_attention(q, k, v, valid_BxT, spec)
             else:  # one kernel runs per layer: the windowed one on local layers
                 out = jax.lax.cond(local, lambda *a: attention.self_attention(*a, spec, window=window),
                                    lambda *a: attention.self_attention(*a, spec), q, k, v, valid_BxT)
-            x, stats = block.finish(x, out, spec.shard, valid_BxT, spec) if router else \
-                (block.finish(x, out, spec.shard, spec=spec), None)
-            return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None, stats)
+            x, stats, e_BxTxK = block.finish(x, out, spec.shard, valid_BxT if router else None, spec, forced)
+            return x, ((k.swapaxes(1, 2), v.swapaxes(1, 2)) if keep_cache else None, stats,
+                       e_BxTxK if experts else None)
 
-        x, (kv, stats_L) = self._scan(body, x, self._local_L(), remat=remat, unroll=unroll, gather=gather)
-        return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None), stats_L
+        x, (kv, stats_L, e_LxBxTxK) = self._scan(body, x, (self._local_L(), forced_LxBxTxK), remat=remat,
+                                                 unroll=unroll, gather=gather)
+        e_BxTxLxK = None if e_LxBxTxK is None else e_LxBxTxK.transpose(1, 2, 0, 3).astype(jnp.int32)
+        return x, ({"k": kv[0], "v": kv[1]} if keep_cache else None), stats_L, e_BxTxLxK
 
     def hidden(self, tokens_BxT, positions_BxT, valid_BxT, *, col_offset=0, attn=None, remat: str = "none",
-               unroll: bool | int = 1, gather=None, router: bool = False):
+               unroll: bool | int = 1, gather=None, router: bool = False, routes_BxTxLxK=None):
         """Residual stream after the last block [B, T, D] (before the final norm).
 
         `attn`: a resolved `attention.Spec` (default: `model.attention` on the default
         backend); `remat`: none | block | dots; `unroll`: layers per scan iteration (True: all);
         `gather`: see `_scan`. `router`: returns (x, per-layer `moe.stats` [n_layers] each, or
-        None for a dense model)."""
-        x, _, stats_L = self._trunk(tokens_BxT, positions_BxT, valid_BxT, col_offset=col_offset, attn=attn,
-                                    remat=remat, unroll=unroll, gather=gather, router=router)
+        None for a dense model). `routes_BxTxLxK` (int, an MoE model only): the experts each
+        layer uses at each column, a row of -1 where the layer routes that column itself."""
+        x, _, stats_L, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT, col_offset=col_offset, attn=attn,
+                                       remat=remat, unroll=unroll, gather=gather, router=router,
+                                       routes_BxTxLxK=routes_BxTxLxK)
         return (x, stats_L) if router else x
 
     def logits(self, x):
@@ -487,19 +509,23 @@ class Transformer(nnx.Module):
 
     def prefill(self, tokens_BxT, positions_BxT, valid_BxT, *, attn=None):
         """Same computation as `__call__`, plus the KV cache of all T columns."""
-        x, cache, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
+        x, cache, _, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True)
         return self._logits(x), cache
 
-    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None, col_offset=0):
+    def prefill_at(self, tokens_BxT, positions_BxT, valid_BxT, cols_B, *, attn=None, col_offset=0,
+                   experts: bool = False):
         """`prefill`, but logits only at one column per row (skips a [T, V] projection).
-        `col_offset`: the absolute column of column 0 (a row narrower than P + N)."""
-        x, cache, _ = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True,
-                                  col_offset=col_offset)
+        `col_offset`: the absolute column of column 0 (a row narrower than P + N). `experts`
+        (an MoE model): also returns the experts used at every column, int32 [B, T, L, k]."""
+        if experts:
+            self._check_moe("prefill_at(experts=True)")
+        x, cache, _, e_BxTxLxK = self._trunk(tokens_BxT, positions_BxT, valid_BxT, attn=attn, keep_cache=True,
+                                             col_offset=col_offset, experts=experts)
         x_BxD = jnp.take_along_axis(x, cols_B[:, None, None], axis=1)[:, 0]
-        return self._logits(x_BxD), cache
+        return (self._logits(x_BxD), cache) + ((e_BxTxLxK,) if experts else ())
 
     def decode(self, tokens_B, positions_B, cols_B, starts_B, cache: KVCache, window: int | None = None,
-               unroll: bool | int = 1, recent: Recent | None = None):
+               unroll: bool | int = 1, recent: Recent | None = None, experts: bool = False):
         """One token per row at column `cols_B`; attends cache columns [starts_B, cols_B).
         plus its own key. `window` (static): only the first `window` columns are read, so
         attention costs what the rows hold, not the cache's width; every `cols_B` of a live
@@ -512,7 +538,10 @@ class Transformer(nnx.Module):
         token's k/v joins them.
 
         Returns (logits [B, V] fp32, cache with this token's k/v written at cols_B), or
-        with `recent`, (logits, recent holding one more column)."""
+        with `recent`, (logits, recent holding one more column); `experts` (an MoE model):
+        and the experts this token used, int32 [B, L, k]."""
+        if experts:
+            self._check_moe("decode(experts=True)")
         b = tokens_B.shape[0]
         width = cache["k"].shape[3]
         t = width if window is None else min(window, width)
@@ -539,27 +568,32 @@ class Transformer(nnx.Module):
             if recent is not None:
                 m_BxK = mask_BxK if local is None else jnp.where(local, near_BxK, mask_BxK)
             extra = () if recent is None else ((recent.k[i].astype(k.dtype), recent.v[i].astype(v.dtype), m_BxK),)
-            x = block.finish(x, attention.one_query(q, keys, values, m_BxT, k[:, 0], v[:, 0], extra))
-            return x, (k[:, 0], v[:, 0])
+            x, _, e_Bx1xK = block.finish(x, attention.one_query(q, keys, values, m_BxT, k[:, 0], v[:, 0], extra))
+            return x, (k[:, 0], v[:, 0], e_Bx1xK[:, 0] if experts else None)
 
-        x, (k_LxBxGxD, v_LxBxGxD) = self._scan(body, x, jnp.arange(self.cfg.n_layers), unroll=unroll)
+        x, (k_LxBxGxD, v_LxBxGxD, e_LxBxK) = self._scan(body, x, jnp.arange(self.cfg.n_layers), unroll=unroll)
+        tail = (e_LxBxK.swapaxes(0, 1).astype(jnp.int32),) if experts else ()
         if recent is not None:
             put = lambda r, new: r.at[:, :, :, recent.n].set(new.astype(r.dtype))
-            return self._logits(x[:, 0]), dataclasses.replace(recent, k=put(recent.k, k_LxBxGxD),
-                                                              v=put(recent.v, v_LxBxGxD), n=recent.n + 1)
+            return (self._logits(x[:, 0]), dataclasses.replace(recent, k=put(recent.k, k_LxBxGxD),
+                                                               v=put(recent.v, v_LxBxGxD), n=recent.n + 1)) + tail
         rows = jnp.arange(b)
         # [:, rows, :, cols] puts the indexed (row) axis first: updates are [B, L, Hkv, hd]
         write = lambda c, new: c.at[:, rows, :, cols_B].set(new.swapaxes(0, 1).astype(c.dtype))
-        return self._logits(x[:, 0]), {"k": write(cache["k"], k_LxBxGxD), "v": write(cache["v"], v_LxBxGxD)}
+        return (self._logits(x[:, 0]), {"k": write(cache["k"], k_LxBxGxD), "v": write(cache["v"], v_LxBxGxD)}) + tail
 
-    def decode_paged(self, tokens_B, positions_B, cols_B, pool: KVCache, table_BxW, *, impl: str = "xla"):
+    def decode_paged(self, tokens_B, positions_B, cols_B, pool: KVCache, table_BxW, *, impl: str = "xla",
+                     experts: bool = False):
         """`decode` over a paged pool (`model.paged_attention`): row b's token is its
         `positions_B[b]`-th, its k/v is written at that position of the pages `table_BxW[b]`
         names, and it attends positions 0 .. positions_B[b]. `cols_B`: its engine column
         (learned position embeddings). Pool k/v: a list of one array per layer, each
         [Hkv, pages, page_size, hd], so a kernel reads a layer's pool where it lies (a slice of a
         stacked pool is a copy of that layer's pool per step); the layers run unrolled.
-        Returns (logits [B, V] fp32, pool with every layer's new k/v written)."""
+        Returns (logits [B, V] fp32, pool with every layer's new k/v written), and with
+        `experts` (an MoE model) the experts this token used, int32 [B, L, k]."""
+        if experts:
+            self._check_moe("decode_paged(experts=True)")
         lens_B = positions_B + 1
         local = self.cfg.local_layers() if self.cfg.sliding_window else (None,) * self.cfg.n_layers
         x = self._embed(tokens_B[:, None], cols_B[:, None])
@@ -567,7 +601,7 @@ class Transformer(nnx.Module):
         page_B = jnp.take_along_axis(table_BxW, (positions_B // p)[:, None], axis=1)[:, 0]
         put = lambda c, new: c.at[:, page_B, positions_B % p].set(new[:, 0].swapaxes(0, 1).astype(c.dtype))  # noqa: E731
         graphdef, blocks = nnx.split(self.layers)
-        ks, vs = list(pool["k"]), list(pool["v"])
+        ks, vs, es = list(pool["k"]), list(pool["v"]), []
         for i, params in enumerate(_unstacked(blocks, self.cfg.n_layers)):
             block = nnx.merge(graphdef, params)
             flag = None if local[i] is None else jnp.asarray(local[i])
@@ -575,5 +609,7 @@ class Transformer(nnx.Module):
             ks[i], vs[i] = put(ks[i], k), put(vs[i], v)
             out = paged_attention.decode(q[:, 0], ks[i], vs[i], lens_B, table_BxW, impl=impl,
                                          window=self.cfg.sliding_window if local[i] else 0)
-            x = block.finish(x, out.reshape(b, 1, -1))
-        return self._logits(x[:, 0]), {"k": ks, "v": vs}
+            x, _, e_Bx1xK = block.finish(x, out.reshape(b, 1, -1))
+            es.append(e_Bx1xK)
+        tail = (jnp.stack([e[:, 0] for e in es], axis=1).astype(jnp.int32),) if experts else ()
+        return (self._logits(x[:, 0]), {"k": ks, "v": vs}) + tail

@@ -188,6 +188,9 @@ def _abstract_batch(learner, rows: int, width: int, new: int) -> dict:
               "behav_logp_BxN": ((rows, new), jnp.float32), "mask_BxN": ((rows, new), jnp.bool_),
               "rewards_B": ((rows,), jnp.float32), "row_valid_B": ((rows,), jnp.bool_),
               "truncated_B": ((rows,), jnp.bool_)}
+    m = learner.cfg.model
+    if learner.cfg.learner.routing_replay:  # the engine's experts per column (learner.batch)
+        shapes["routes_BxTxLxK"] = ((rows, width, m.n_layers, m.n_experts_per_token), jnp.int16)
     sh = learner._batch_shardings()
     return {k: jax.ShapeDtypeStruct(s, dt, sharding=sh[k]) for k, (s, dt) in shapes.items()}
 

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from async_rl.buffer.ledger import Sample
 from async_rl.rollout.interface import BuiltinRollout, Rollout, Start
 from async_rl.rollout.scheduler import Fill, Piece, Scheduler
 
@@ -21,6 +22,7 @@ from async_rl.rollout.scheduler import Fill, Piece, Scheduler
 class Completion:
     tokens: np.ndarray  # int32 [n], includes the stop token if one was drawn
     logprobs: np.ndarray  # float32 [n], the behaviour logprobs (`engine` module docstring)
+    routes: np.ndarray | None = None  # a backend recording MoE routes: [prompt + n - 1, n_layers, k] (`Sample.routes`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -29,6 +31,7 @@ class _Row:
     sample: int
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
+    routes: Sample = dataclasses.field(default_factory=Sample)  # its `tokens` and `routes` only
 
 
 class Requests:
@@ -67,11 +70,14 @@ class Requests:
     def record(self, pieces: list[Piece], version: int) -> None:
         for p in pieces:
             r = p.occupant
+            if p.routes is not None:
+                r.routes.add_routes(len(self.prompts[r.prompt]), p.head, p.routes)
+                r.routes.tokens += p.tokens
             r.tokens += p.tokens
             r.logprobs += p.logprobs
             if p.ended:
                 self.out[r.prompt][r.sample] = Completion(np.asarray(r.tokens, np.int32),
-                                                          np.asarray(r.logprobs, np.float32))
+                                                          np.asarray(r.logprobs, np.float32), r.routes.route_rows())
 
     def collected(self, calls: int) -> None:
         pass

@@ -18,6 +18,11 @@ which tokens can be drawn but is deliberately NOT reflected in the logprob, beca
 learner recomputes exactly this quantity from full-sequence logits.
 
 Layout: see `async_rl.model.transformer` (prompt left-padded into [P-L, P), completion from column P).
+
+Routing replay (`routes=True`, an MoE model): the experts every layer used at each position
+(`moe.routes_dtype` on the host). A sampled token's routes are those of the forward whose
+logits it was drawn from (position prompt_len - 1 + i for completion token i), kept per slot
+in the state; a prefill's other positions come from `head_routes`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from async_rl.config import ConfigError, ModelConfig
-from async_rl.model import attention, sharding
+from async_rl.model import attention, moe, sharding
 from async_rl.model.sharding import is_var as _is_var
 from async_rl.model.transformer import KVCache, Recent, init_cache, init_recent, layout, write_recent
 
@@ -49,6 +54,7 @@ class PrefixArrays:
     starts_B: jax.Array  # int32: first valid column per row (P - prompt length)
     next_cols_B: jax.Array  # int32: column each row's next sampled token goes to
     col0: jax.Array  # int32 scalar: engine column of the cache's column 0
+    experts_BxWxLxK: jax.Array | None = None  # int32: experts used at each column (routes only)
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +68,7 @@ class DecodeArrays:
     ordinals_S: jax.Array  # int32: stream ordinal of the slot's prompt (sampling key)
     samples_S: jax.Array  # int32: sample index within the prompt's group (sampling key)
     active_S: jax.Array  # bool: inactive slots compute garbage and do not advance
+    experts_SxLxK: jax.Array | None = None  # int32: experts of the forward behind logits_SxV (routes only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +103,7 @@ class Prefix:
     next_cols_B: np.ndarray  # int32
     starts_B: np.ndarray | None = None  # int32: each row's first valid column
     key: int = 0  # names the prefill among the engine's (a paged engine keeps its rows' pages under it)
+    col0: int = 0  # engine column of the prefill's column 0
 
     def block_until_ready(self) -> Prefix:
         jax.block_until_ready(self.arrays)
@@ -184,7 +192,7 @@ class Engine:
     def __init__(self, model_cfg: ModelConfig, graphdef, *, vocab_size: int, slots: int, max_prompt_len: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, devices=None,
                  steps_per_call: int = 1, tensor: int = 1, windows: bool = True, unroll: bool | int = 1,
-                 all_devices=None, recent: bool | None = None):
+                 all_devices=None, recent: bool | None = None, routes: bool = False):
         """`windows`: decode reads only a bucket of the cache's columns (`decode_window`);
         False reads all P + N (the choice then never depends on other slots' lengths).
         `unroll`: layers per decode scan iteration (True: all; `plan` counts costs so).
@@ -192,7 +200,11 @@ class Engine:
         process, this one's equal to `devices`), so weights are published in one program.
         `recent`: a multi-step call keeps its new columns in a block beside the cache and
         writes them once at its end (`model.Recent`); None: on TPU only (elsewhere the
-        cache is written in place each step, which costs less there)."""
+        cache is written in place each step, which costs less there). `routes`: record the
+        experts an MoE model uses (routing replay: `generate_routed_async`, `head_routes`)."""
+        if routes and not model_cfg.moe:
+            raise ValueError("Engine(routes=True): a dense model has no expert routes")
+        self.routes = routes
         self.unroll = unroll
         self.model_cfg, self.graphdef, self.vocab_size = model_cfg, graphdef, vocab_size
         self.max_concurrent_decodes = slots
@@ -226,9 +238,10 @@ class Engine:
         self._replicated = rep
         self._state_sharding = DecodeArrays(
             cache={"k": cache_sh, "v": cache_sh}, logits_SxV=per_slot, cols_S=per_slot,
-            starts_S=per_slot, ordinals_S=per_slot, samples_S=per_slot, active_S=per_slot)
+            starts_S=per_slot, ordinals_S=per_slot, samples_S=per_slot, active_S=per_slot,
+            experts_SxLxK=per_slot if routes else None)
         self._prefix_sharding = PrefixArrays(cache={"k": prefix_cache, "v": prefix_cache}, logits_BxV=rep, starts_B=rep,
-                                       next_cols_B=rep, col0=rep)
+                                       next_cols_B=rep, col0=rep, experts_BxWxLxK=rep if routes else None)
         st, pre = self._state_sharding, self._prefix_sharding
         self._publishers: dict = {}
         # Params keep the shardings `load_params` gave them (None: taken from the arguments).
@@ -236,7 +249,9 @@ class Engine:
         self._prefill = jax.jit(self._prefill_impl, in_shardings=(None, rep, rep, rep, rep, rep), out_shardings=pre)
         self._insert = jax.jit(self._insert_impl, in_shardings=(pre, st, rep, rep, rep, rep, rep), out_shardings=st,
                                donate_argnums=1)
-        self._out_sh = (st, NamedSharding(self.mesh, PS(None, data)))  # state, [K, S] tokens and logprobs
+        # state, [K, S] tokens and logprobs, [K, S, L, k] routes
+        self._out_sh = (st, NamedSharding(self.mesh, PS(None, data)), NamedSharding(self.mesh, PS(None, data))
+                        if routes else None)
         self._decoders: dict[tuple[int, bool, bool], Any] = {}  # (window, multi-step, last forward) -> decode
         self._prefills = 0  # prefills made (names each)
         self._free = jax.jit(self._free_impl, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
@@ -248,10 +263,10 @@ class Engine:
         key = (window, multi, last_forward)
         if key not in self._decoders:
             body = self._generate_steps_impl if multi else self._generate_one_impl
-            st, many = self._out_sh
+            st, many, routes = self._out_sh
             extra = (self._replicated,) * self._decode_extra
             self._decoders[key] = jax.jit(functools.partial(body, window=window, last_forward=last_forward),
-                                          in_shardings=(None, st, *extra), out_shardings=(st, many, many),
+                                          in_shardings=(None, st, *extra), out_shardings=(st, many, many, routes),
                                           donate_argnums=1)
         return self._decoders[key]
 
@@ -395,8 +410,20 @@ class Engine:
             positions[i], valid[i] = pos[c0:c0 + w], ok[c0:c0 + w]
             next_cols[i], starts[i] = p + done.size, start
         self._prefills += 1
-        return Prefix(self._prefill(params, tokens, positions, valid, next_cols, np.int32(c0)), next_cols, starts,
-                      self._prefills)
+        arrays = self._prefill(params, tokens, positions, valid, next_cols, np.int32(c0))
+        if arrays.experts_BxWxLxK is not None:  # on its way while the decode runs (`head_routes`)
+            arrays.experts_BxWxLxK.copy_to_host_async()
+        return Prefix(arrays, next_cols, starts, self._prefills, c0)
+
+    def head_routes(self, prefix: Prefix, row: int) -> np.ndarray:
+        """A prefilled row's routes at positions 0 .. n-2 ([n - 1, L, k], `moe.routes_dtype`;
+        n: its prompt and completion-prefix tokens). Position n-1's go with the first token
+        sampled from it (`generate_routed_async`). Waits for the prefill."""
+        e = _checked(prefix, Prefix).arrays.experts_BxWxLxK
+        if e is None:
+            raise ValueError("head_routes: this engine records no routes (Engine(routes=True))")
+        lo, hi = int(prefix.starts_B[row]) - prefix.col0, int(prefix.next_cols_B[row]) - 1 - prefix.col0
+        return np.asarray(e)[row, lo:hi].astype(moe.routes_dtype(self.model_cfg.n_experts))
 
     def _check_seq(self, prompt_tokens, completion):
         prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
@@ -429,23 +456,40 @@ class Engine:
 
     def generate_steps_async(self, params, decode_state: DecodeState, steps: int | None = None
                              ) -> tuple[DecodeState, jax.Array, jax.Array]:
+        """`generate_routed_async` without the routes."""
+        state, tokens_KxS, logprobs_KxS, _ = self.generate_routed_async(params, decode_state, steps)
+        return state, tokens_KxS, logprobs_KxS
+
+    def generate_routed_async(self, params, decode_state: DecodeState, steps: int | None = None
+                              ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array | None]:
         """K = `steps` tokens for every slot in one dispatch, without waiting: (state, tokens_KxS,
-        logprobs_KxS) as device arrays still being computed, their copy to the host already
+        logprobs_KxS, routes) as device arrays still being computed, their copy to the host already
         started. `steps`: `steps_per_call` (the default) or 1, the two compiled decodes. The
         caller records the previous chunk meanwhile and fetches these later (`np.asarray`), so
         the host's per-token work overlaps the device's next K steps. Tokens a slot produces
         after its stop token (or its N-th token) are garbage the caller drops; a finished slot
-        idles for the rest of the call."""
+        idles for the rest of the call. `routes` (None unless the engine records them): [K, S, L, k] in
+        `moe.routes_dtype`, token j's experts at every layer (those of the forward that gave
+        the logits it was drawn from)."""
+        steps = self._check_steps(steps)
+        fn = self._decoder(self.decode_window(decode_state, steps), steps > 1, self.last_forward(decode_state, steps))
+        return self._dispatched(decode_state, steps, fn(params, decode_state.arrays))
+
+    def _check_steps(self, steps: int | None) -> int:
         steps = steps or self.steps_per_call
         if steps not in (1, self.steps_per_call):
             raise ValueError(f"generate_steps_async: steps={steps}, not 1 or steps_per_call={self.steps_per_call}")
-        fn = self._decoder(self.decode_window(decode_state, steps), steps > 1, self.last_forward(decode_state, steps))
+        return steps
+
+    def _dispatched(self, decode_state: DecodeState, steps: int, out) -> tuple:
+        """A decode call's (state, tokens, logprobs, routes), the host mirror advanced and the copies started."""
+        state, tokens_KxS, logprobs_KxS, routes = out
         host = decode_state.host.copy()
-        state, tokens_KxS, logprobs_KxS = fn(params, decode_state.arrays)
         host.cols_S[host.active_S] += steps
-        for x in (tokens_KxS, logprobs_KxS):
-            x.copy_to_host_async()
-        return DecodeState(state, host), tokens_KxS, logprobs_KxS
+        for x in (tokens_KxS, logprobs_KxS, routes):
+            if x is not None:
+                x.copy_to_host_async()
+        return DecodeState(state, host), tokens_KxS, logprobs_KxS, routes
 
     def free_many(self, decode_state: DecodeState, slots) -> DecodeState:
         """Marks slots inactive (they stop advancing and leave the decode window), in one call."""
@@ -526,14 +570,20 @@ class Engine:
         return DecodeArrays(cache=self._init_cache(),
                            logits_SxV=jnp.zeros((s, self.vocab_size), jnp.float32), cols_S=zeros,
                            starts_S=zeros, ordinals_S=zeros, samples_S=zeros,
-                           active_S=jnp.zeros((s,), bool))
+                           active_S=jnp.zeros((s,), bool), experts_SxLxK=self._no_routes(s))
+
+    def _no_routes(self, s: int):
+        """Zeroed per-slot routes [s, L, k] when recording them, else None."""
+        c = self.model_cfg
+        return jnp.zeros((s, c.n_layers, c.n_experts_per_token), jnp.int32) if self.routes else None
 
     def _prefill_impl(self, params, tokens_BxW, positions_BxW, valid_BxW, next_cols_B, col0) -> PrefixArrays:
         model = nnx.merge(self.graphdef, params)
-        logits_BxV, cache = model.prefill_at(tokens_BxW, positions_BxW, valid_BxW, next_cols_B - 1 - col0,
-                                             attn=self.attn, col_offset=col0)
+        out = model.prefill_at(tokens_BxW, positions_BxW, valid_BxW, next_cols_B - 1 - col0, attn=self.attn,
+                               col_offset=col0, experts=self.routes)
         starts_B = col0 + jnp.argmax(valid_BxW, axis=1).astype(jnp.int32)
-        return PrefixArrays(cache=cache, logits_BxV=logits_BxV, starts_B=starts_B, next_cols_B=next_cols_B, col0=col0)
+        return PrefixArrays(cache=out[1], logits_BxV=out[0], starts_B=starts_B, next_cols_B=next_cols_B, col0=col0,
+                            experts_BxWxLxK=out[2] if self.routes else None)
 
     def _insert_impl(self, prefix: PrefixArrays, st: DecodeArrays, slots_B, rows_B, ordinals_B, samples_B,
                      n) -> DecodeArrays:
@@ -551,30 +601,41 @@ class Engine:
                        recent: Recent | None = None, table=None):
         """Samples every slot's token, then (`last_forward`) runs it through the model for the
         next column's logits and writes its k/v (into `recent` in a multi-step call); without,
-        the slot's logits and cache stay. Returns (state, recent, tokens_S, logprobs_S)."""
+        the slot's logits and cache stay. Returns (state, recent, tokens_S, logprobs_S, the
+        tokens' routes [S, L, k] or None): those of the forward that gave the logits sampled."""
         n_S = st.cols_S - self.max_prompt_len
         keys_S = jax.vmap(functools.partial(token_key, self.seed))(st.ordinals_S, st.samples_S, n_S)
         tokens_S, logprobs_S = jax.vmap(self._sample)(st.logits_SxV, keys_S)
         new = dataclasses.replace(st, cols_S=st.cols_S + st.active_S.astype(jnp.int32))
+        routes_SxLxK = st.experts_SxLxK
         if not last_forward:
-            return new, recent, tokens_S, logprobs_S
+            return new, recent, tokens_S, logprobs_S, routes_SxLxK
         # An inactive (or finished and not yet freed) slot must not write out of bounds.
         cols_S = jnp.minimum(st.cols_S, self.width - 1)
+        model = nnx.merge(self.graphdef, params)
         if table is not None:  # a paged pool: rows not active write and read only the null page
             pos_S = jnp.where(st.active_S, cols_S - st.starts_S, 0)
-            logits_SxV, pool = nnx.merge(self.graphdef, params).decode_paged(
-                tokens_S, pos_S, cols_S, st.cache, table, impl=self.paged_impl)
-            return dataclasses.replace(new, cache=pool, logits_SxV=logits_SxV), None, tokens_S, logprobs_S
-        logits_SxV, written = nnx.merge(self.graphdef, params).decode(
-            tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window, unroll=self.unroll,
-            recent=recent)
-        if recent is not None:
-            return dataclasses.replace(new, logits_SxV=logits_SxV), written, tokens_S, logprobs_S
-        return dataclasses.replace(new, cache=written, logits_SxV=logits_SxV), None, tokens_S, logprobs_S
+            out = model.decode_paged(tokens_S, pos_S, cols_S, st.cache, table, impl=self.paged_impl,
+                                     experts=self.routes)
+        else:
+            out = model.decode(tokens_S, cols_S - st.starts_S, cols_S, st.starts_S, st.cache, window=window,
+                               unroll=self.unroll, recent=recent, experts=self.routes)
+        new = dataclasses.replace(new, logits_SxV=out[0], experts_SxLxK=out[2] if self.routes else None)
+        if recent is not None:  # the cache stays; the new k/v are in `recent`
+            return new, out[1], tokens_S, logprobs_S, routes_SxLxK
+        return dataclasses.replace(new, cache=out[1]), None, tokens_S, logprobs_S, routes_SxLxK
 
     def _generate_one_impl(self, params, st: DecodeArrays, table=None, *, window: int, last_forward: bool = True):
-        st, _, tokens_S, logprobs_S = self._generate_impl(params, st, window, last_forward, table=table)
-        return st, tokens_S[None], logprobs_S[None]
+        st, _, tokens_S, logprobs_S, routes_SxLxK = self._generate_impl(params, st, window, last_forward, table=table)
+        return st, tokens_S[None], logprobs_S[None], self._host_routes(routes_SxLxK, None)
+
+    def _host_routes(self, routes_SxLxK, earlier_KxSxLxK):
+        """A call's routes [K, S, L, k] in the host's dtype (a quarter of int32's bytes to copy)."""
+        if routes_SxLxK is None:
+            return None
+        out = routes_SxLxK[None] if earlier_KxSxLxK is None else jnp.concatenate([earlier_KxSxLxK,
+                                                                                  routes_SxLxK[None]])
+        return out.astype(moe.routes_dtype(self.model_cfg.n_experts))
 
     def _generate_steps_impl(self, params, st: DecodeArrays, table=None, *, window: int, last_forward: bool = True):
         """K steps; with `self.recent` over a read-only cache, each step's new k/v going to a
@@ -588,22 +649,27 @@ class Engine:
 
         def step(carry, _):
             st, recent = carry
-            st, recent, tok, lp = self._generate_impl(params, st, window, recent=recent, table=table)
-            return (st, recent), (tok, lp)
-        (st, recent), (tokens_KxS, logprobs_KxS) = jax.lax.scan(step, (st, recent), None,
-                                                                length=self.steps_per_call - 1, unroll=True)
-        st, recent, tok_S, lp_S = self._generate_impl(params, st, window, last_forward, recent, table)
+            st, recent, tok, lp, routes = self._generate_impl(params, st, window, recent=recent, table=table)
+            return (st, recent), (tok, lp, routes)
+        (st, recent), (tokens_KxS, logprobs_KxS, routes_KxSxLxK) = jax.lax.scan(
+            step, (st, recent), None, length=self.steps_per_call - 1, unroll=True)
+        st, recent, tok_S, lp_S, routes_SxLxK = self._generate_impl(params, st, window, last_forward, recent, table)
         if recent is not None:
             st = dataclasses.replace(st, cache=write_recent(st.cache, recent))
-        return st, jnp.concatenate([tokens_KxS, tok_S[None]]), jnp.concatenate([logprobs_KxS, lp_S[None]])
+        return (st, jnp.concatenate([tokens_KxS, tok_S[None]]), jnp.concatenate([logprobs_KxS, lp_S[None]]),
+                self._host_routes(routes_SxLxK, routes_KxSxLxK))
 
     def _free_impl(self, st: DecodeArrays, free_S) -> DecodeArrays:
         return dataclasses.replace(st, active_S=st.active_S & ~free_S)
 
 
 def seat(prefix: PrefixArrays, st: DecodeArrays, slot, row, ordinal, sample) -> DecodeArrays:
-    """`st` with prefix row `row`'s next-token logits, columns and sampling key in `slot`, active
-    (its k/v is the caller's to place)."""
+    """`st` with prefix row `row`'s next-token logits (and the routes behind them), columns and
+    sampling key in `slot`, active (its k/v is the caller's to place)."""
+    if prefix.experts_BxWxLxK is not None:
+        last = prefix.next_cols_B[row] - 1 - prefix.col0  # the column whose logits these are
+        e_LxK = jax.lax.dynamic_index_in_dim(prefix.experts_BxWxLxK[row], last, axis=0, keepdims=False)
+        st = dataclasses.replace(st, experts_SxLxK=st.experts_SxLxK.at[slot].set(e_LxK))
     return dataclasses.replace(st, logits_SxV=st.logits_SxV.at[slot].set(prefix.logits_BxV[row]),
                                cols_S=st.cols_S.at[slot].set(prefix.next_cols_B[row]),
                                starts_S=st.starts_S.at[slot].set(prefix.starts_B[row]),

@@ -43,6 +43,12 @@ class Chunk:
     # slots whose backend lost them (its server died, went silent or answered garbage): their
     # samples go back to the allocator with what was recorded before; this chunk has none of theirs
     lost: tuple[int, ...] = ()
+    # routing replay (a backend that records routes): the experts every MoE layer chose for the
+    # position that predicted each token, uint [K, S, n_layers, k]; None: not recorded
+    routes_KxS: np.ndarray | None = None
+    # slots started since the last chunk -> the experts of the positions their start prefilled
+    # (prompt and saved tokens) except the last, whose go with the first token: [n, n_layers, k]
+    heads: dict[int, np.ndarray] | None = None
 
 
 @runtime_checkable
@@ -88,6 +94,8 @@ class BuiltinRollout:
         self.prefills = 0  # sequences prefilled
         self.decode_state = engine.init_decode_state()
         self._prefixes: dict[int, tuple] = {}  # ordinal -> (version, prefill, row) shared by its samples
+        self.routes = bool(getattr(engine, "routes", False))  # the engine records MoE routes (routing replay)
+        self._heads: dict[int, tuple] = {}  # slot -> (prefill, row) started since the last `step` (routes only)
 
     def swap(self, params, version: int) -> None:
         self.engine.update_params(params, version)
@@ -118,6 +126,8 @@ class BuiltinRollout:
             inserts.setdefault(id(prefix), (prefix, []))[1].append((s.slot, row, s.ordinal, s.sample))
         for prefix, todo in inserts.values():
             self.decode_state = self.engine.insert_many(prefix, self.decode_state, todo)
+            if self.routes:
+                self._heads.update({slot: (prefix, row) for slot, row, _, _ in todo})
         for prefix in once:
             self._drop(prefix)
 
@@ -168,15 +178,23 @@ class BuiltinRollout:
 
     def step(self, live: Sequence[bool]):
         self._free_idle(live)
-        self.decode_state, toks, lps = self.engine.generate_steps_async(self.params, self.decode_state)
+        if self.routes:
+            self.decode_state, toks, lps, routes = self.engine.generate_routed_async(self.params, self.decode_state)
+        else:
+            (self.decode_state, toks, lps), routes = self.engine.generate_steps_async(self.params, self.decode_state), None
         take = getattr(self.engine, "take_evicted", None)
-        return toks, lps, self.version, tuple(take()) if take else ()
+        heads, self._heads = self._heads, {}
+        return toks, lps, self.version, tuple(take()) if take else (), routes, heads
 
     def collect(self, pending) -> Chunk:
         """Slots a paged engine evicted (or did not admit) come back as lost: their samples
         continue later from what was recorded."""
-        toks, lps, version, lost = pending
-        return Chunk(np.asarray(toks), np.asarray(lps), version, lost=lost)
+        toks, lps, version, lost, routes, heads = pending
+        chunk = Chunk(np.asarray(toks), np.asarray(lps), version, lost=lost)
+        if routes is not None:
+            chunk.routes_KxS = np.asarray(routes)
+            chunk.heads = {slot: self.engine.head_routes(prefix, row) for slot, (prefix, row) in heads.items()}
+        return chunk
 
     def stop(self, slots: Sequence[int]) -> None:
         """Frees slots the engine holds active: the decode window follows the active slots'

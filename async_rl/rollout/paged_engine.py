@@ -168,23 +168,15 @@ class PagedEngine(Engine):
     def _row_pages(self, prefix: Prefix) -> int:
         return -(-prefix.arrays.cache["k"].shape[3] // self.page_size)
 
-    def generate_steps_async(self, params, decode_state: DecodeState, steps: int | None = None):
-        """`Engine.generate_steps_async` after every live slot has pages for the call's tokens
-        (evicting where the pool is short), with its page table."""
-        steps = steps or self.steps_per_call
-        if steps not in (1, self.steps_per_call):
-            raise ValueError(f"generate_steps_async: steps={steps}, not 1 or steps_per_call={self.steps_per_call}")
+    def generate_routed_async(self, params, decode_state: DecodeState, steps: int | None = None):
+        """`Engine.generate_routed_async` (and so `generate_steps_async`) after every live slot has
+        pages for the call's tokens (evicting where the pool is short), with its page table."""
+        steps = self._check_steps(steps)
         decode_state = self._make_room(_checked(decode_state, DecodeState), steps)
-        host = decode_state.host
         width = self.decode_window(decode_state, steps)
-        table = self.pool.table([s if a else None for s, a in enumerate(host.active_S)], width)
+        table = self.pool.table([s if a else None for s, a in enumerate(decode_state.host.active_S)], width)
         fn = self._decoder(width, steps > 1, self.last_forward(decode_state, steps))
-        host = host.copy()
-        state, tokens_KxS, logprobs_KxS = fn(params, decode_state.arrays, table)
-        host.cols_S[host.active_S] += steps
-        for x in (tokens_KxS, logprobs_KxS):
-            x.copy_to_host_async()
-        return DecodeState(state, host), tokens_KxS, logprobs_KxS
+        return self._dispatched(decode_state, steps, fn(params, decode_state.arrays, table))
 
     def _make_room(self, decode_state: DecodeState, steps: int) -> DecodeState:
         """Each live slot holds pages for `steps` more tokens; oldest first, and where the pool is

@@ -262,6 +262,8 @@ class Pump:
         for p in pieces:
             g, si = p.occupant
             s = g.samples[si]
+            if p.routes is not None:
+                s.add_routes(len(g.prompt_tokens), p.head, p.routes)
             s.tokens += p.tokens
             s.logprobs += p.logprobs
             s.versions += p.versions

@@ -61,6 +61,8 @@ class Piece(NamedTuple):  # a tuple: one is built per live slot per chunk
     logprobs: list[float]  # behaviour logprob of each token
     versions: list[int]  # weights version that made each token
     ended: bool  # these are the sample's last tokens (a stop token, kept, or its budget used up)
+    routes: Any = None  # routing replay: uint [n, n_layers, k], the experts behind each token (`Chunk.routes_KxS`)
+    head: Any = None  # routing replay, a slot's first chunk: its start's prefilled positions' (`Chunk.heads`)
 
 
 class Source(Protocol):
@@ -202,6 +204,9 @@ class Scheduler:
                   for slot, (occ, t, lp, vs, n, e) in enumerate(zip(f.live, toks_SxK, lps_SxK, vers_SxK,
                                                                     f.take_S.tolist(), f.ended_S.tolist()))
                   if occ is not None]
+        if c.routes_KxS is not None:
+            heads = c.heads or {}
+            pieces = [p._replace(routes=c.routes_KxS[:len(p.tokens), p.slot].copy(), head=heads.get(p.slot)) for p in pieces]
         with self.lock:
             self.source.record(pieces, c.version)
             for p in pieces:

@@ -167,7 +167,8 @@ def build(cfg: Config, run_dir: Path, log) -> Parts:
                       horizon=total_steps(cfg, pd),
                       teacher=teacher_spec and teacher.Teacher(teacher_spec, devices.learner, tok.vocab_size))
     eval_set = build_eval_set(cfg, tok) if cfg.eval.every_steps and pi == 0 else None
-    engine = make_engine(cfg, learner.graphdef, vocab, devices=devices.engine, all_devices=devices.engine_all)
+    engine = make_engine(cfg, learner.graphdef, vocab, devices=devices.engine, all_devices=devices.engine_all,
+                         routes=cfg.learner.routing_replay)
     ckpt = Checkpointer(run_dir / runfiles.CHECKPOINTS, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
     return Parts(cfg=cfg, run_dir=run_dir, tok=tok, pd=pd, iterator=data_mod.make_iterator(pd),
                  reward_fn=reward_fn, learner=learner, engine=engine, ckpt=ckpt, local_pps=pps // pc,

@@ -183,11 +183,13 @@ def train_step(s: Session, groups: list) -> None:
     cap, stops = cfg.rollout.max_new_tokens, s.stop_ids
     cut = [[len(s.tokens) >= cap and (not s.tokens or s.tokens[-1] not in stops) for s in g.samples]
            for g in groups]
-    rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward, t)
+    replay = cfg.learner.routing_replay
+    rows = [Row(g.prompt_tokens, s.tokens, s.logprobs, s.versions, s.reward, t, s.route_rows() if replay else None)
             for g, ts in zip(groups, cut) for s, t in zip(g.samples, ts)]
     batch = build_batch(rows, n_rows=s.parts.local_pps * cfg.rollout.samples_per_prompt,
                         prompt_len=cfg.engine.max_prompt_len, max_new=cfg.rollout.max_new_tokens,
-                        pad_id=s.parts.tok.pad_id, bucket_min=cfg.learner.bucket_min)
+                        pad_id=s.parts.tok.pad_id, bucket_min=cfg.learner.bucket_min,
+                        routes=(cfg.model.n_layers, cfg.model.n_experts_per_token) if replay else None)
     if s.agree([len(groups)]).sum() > 0:
         s.state, dev_metrics = s.learner.step(s.state, batch, s.ref_params)
         s.clock.dispatched(s.step + 1, dev_metrics)

@@ -4,18 +4,22 @@ Owns: `JsonlLog` (an append-only JSON-lines log, `applog`'s, written per append,
 resume to the byte size a checkpoint recorded), `lineage.jsonl` (one line per consumed group:
 trained, or consumed untrained by explicit config with `"filtered": true`), `drops.jsonl`
 (every rollout or group not trained, with its reason: I4), the optional `rollouts.jsonl`
-(every trained sample's tokens), their byte sizes recorded in each checkpoint's ledger
-header, and cutting them back to those sizes on resume (I5: lines a killed process wrote
-after its last checkpoint describe groups that come back from the ledger). After a resume
-on another process count each line carries the generation (`gen`): ordinals start again.
+(every trained sample's tokens, and its routes under routing replay: `decode_routes` reads
+them back), their byte sizes recorded in each checkpoint's ledger header, and cutting them
+back to those sizes on resume (I5: lines a killed process wrote after its last checkpoint
+describe groups that come back from the ledger). After a resume on another process count
+each line carries the generation (`gen`): ordinals start again.
 Does not own: deciding what is trained or dropped (sampler, train) or reading the logs back
 (audit).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
+
+import numpy as np
 
 from async_rl.buffer.ledger import OBSERVATION, Group
 from async_rl.store import applog, runfiles, storage
@@ -58,6 +62,25 @@ class JsonlLog:
 
     def close(self) -> None:
         self._log.close()
+
+
+def encode_routes(rows: np.ndarray) -> dict:
+    """A sample's routes [m, layers, k] for rollouts.jsonl: shape, dtype and the little-endian
+    C-order bytes in base64 (a list of lists would be several times the size)."""
+    r = np.ascontiguousarray(rows, np.dtype(rows.dtype).newbyteorder("<"))
+    return {"shape": list(r.shape), "dtype": r.dtype.name, "b64": base64.b64encode(r.tobytes()).decode()}
+
+
+def decode_routes(d: dict) -> np.ndarray:
+    """The array `encode_routes` wrote (a sample's `"routes"` in rollouts.jsonl); ValueError if malformed."""
+    try:
+        dt, shape = np.dtype(d["dtype"]).newbyteorder("<"), tuple(int(x) for x in d["shape"])
+        raw = base64.b64decode(d["b64"], validate=True)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"routes: {e!r}") from None
+    if dt.kind != "u" or len(shape) != 3 or min(shape) < 0 or len(raw) != int(np.prod(shape)) * dt.itemsize:
+        raise ValueError(f"routes: {len(raw)} bytes of {dt.name} for shape {list(shape)}")
+    return np.frombuffer(raw, dt).reshape(shape).astype(dt.newbyteorder("="))
 
 
 def read_jsonl(path) -> list[dict]:
@@ -132,6 +155,7 @@ class RunLogs:
                                                 "text": self.tok.decode(s.tokens)}
                                                | ({"turns": [{"key": t["key"], "observation": t["observation"]}
                                                              for t in s.turns]} if s.turns else {})
+                                               | ({"routes": encode_routes(s.route_rows())} if s.routes else {})
                                                for s in g.samples]}
                                   for g in groups])
 

@@ -3,15 +3,18 @@ journaled samples a later session may use (the sampler's bounds, deterministic m
 restored partial sample, another process layout), compaction, and end to end: after a
 SIGKILL, journaled samples are trained as journaled and not generated again."""
 import json
+import struct
+import zlib
 
 import numpy as np
 import pytest
 from helpers import read_ledger, run_cli
 
 from async_rl import config as C
+from async_rl.buffer import journal_format as jf
 from async_rl.buffer.journal import open_journal, segment_files
 from async_rl.buffer.journal_format import read_segment
-from async_rl.buffer.ledger import Ledger
+from async_rl.buffer.ledger import Group, Ledger, Sample
 from async_rl.buffer.sampler import make_sampler
 from async_rl.state.audit import audit
 
@@ -230,6 +233,94 @@ def test_compaction_deletes_what_a_committed_checkpoint_made_obsolete(tmp_path):
     # could still use it (lookahead 1), one from checkpoint 6 no longer can
     assert b.j.compact(5) == 0 and second.exists()
     assert b.j.compact(6) == 1 and not second.exists()
+    b.j.close()
+
+
+# ---- routing replay's routes ----------------------------------------------------------------
+
+
+def _group(rows=None, turns=False):
+    g = Group(ordinal=3, prompt_id=7, epoch=1, prompt="p", answer="a", prompt_tokens=np.array([5, 6, 7], np.int32),
+              samples=[Sample(), Sample()], regenerations=2)
+    s = g.samples[1]
+    s.tokens, s.logprobs, s.versions, s.done = [10, 11, 12, 13], [-0.25, -0.5, -1.0, -2.0], [0, 1, 1, 2], True
+    if turns:
+        s.turns, s.env_state = [{"key": "k0", "observation": "o", "role": "tool", "at": 2, "n": 1}], {"x": 1}
+    if rows is not None:
+        s.routes = [rows[:2], rows[2:]]
+    return g, s
+
+
+def _old_layout(kind, g, s, reward, crc, tail=b""):
+    """A sample record as the journal wrote it before routes existed."""
+    payload = (struct.pack("<BqqqiiIId", kind, g.epoch, g.prompt_id, g.ordinal, 1, g.regenerations, crc,
+                           len(s.tokens), reward) + np.asarray(s.tokens, "<i4").tobytes()
+               + np.asarray(s.logprobs, "<f4").tobytes() + np.asarray(s.versions, "<i4").tobytes() + tail)
+    return b"\xa5JR1" + struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+
+
+def test_a_record_without_routes_keeps_the_layout_it_always_had():
+    g, s = _group()
+    assert jf.encode_sample(g, 1, s, 0.5, 99) == _old_layout(jf.KIND_SAMPLE, g, s, 0.5, 99)
+    g, s = _group(turns=True)
+    ep = json.dumps(s.episode, sort_keys=True, separators=(",", ":")).encode()
+    for reward in (0.5, None):
+        tail = struct.pack("<?I", reward is not None, len(ep)) + ep
+        old = _old_layout(jf.KIND_EPISODE, g, s, float("nan") if reward is None else reward, 99, tail)
+        assert jf.encode_episode(g, 1, s, reward, 99) == old
+        e = jf._decode_sample(old[12:], (0, 0, 1), "x:0")
+        assert e.routes is None and e.episode == s.episode and e.done == (reward is not None)
+    assert jf._decode_sample(_old_layout(jf.KIND_SAMPLE, g, s, 0.5, 99)[12:], (0, 0, 1), "x:0").routes is None
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+@pytest.mark.parametrize("turns", [False, True])
+def test_routes_round_trip_through_a_record_and_a_broken_block_is_refused(dtype, turns):
+    rows = np.random.default_rng(0).integers(0, 256, (7, 3, 2)).astype(dtype)  # one row past the 3 + 4 - 1 positions
+    g, s = _group(rows, turns)
+    rec = jf.encode_episode(g, 1, s, 0.5, 99) if turns else jf.encode_sample(g, 1, s, 0.5, 99)
+    p = rec[12:]
+    e = jf._decode_sample(p, (0, 0, 1), "x:0")
+    assert e.routes.dtype == dtype and e.routes.shape == (6, 3, 2) and e.tokens.tolist() == s.tokens
+    np.testing.assert_array_equal(e.routes, rows[:6])
+    assert e.episode == (s.episode if turns else None)
+    block = len(p) - rows[:6].nbytes - 9  # rows u32, layers u16, k u16, bytes per id u8
+    assert struct.unpack_from("<IHHB", p, block) == (6, 3, 2, np.dtype(dtype).itemsize)
+    for bad in (p[:-1], p + b"\0", p[:block] + struct.pack("<IHHB", 6, 3, 2, 4) + p[block + 9:],
+                p[:block] + struct.pack("<IHHB", 0, 3, 2, 1), p[:block + 4]):
+        assert jf._decode_sample(bad, (0, 0, 1), "x:0") is None
+
+
+def test_the_signature_names_routing_replay_only_when_it_is_on():
+    on = C.load("configs/tiny-moe.yaml", ["learner.routing_replay=true"])
+    off = C.load("configs/tiny-moe.yaml", [])
+    assert jf.signature(on, "r", (2,)) == jf.signature(off, "r", (2,)) | {"learner.routing_replay": True}
+    assert "learner.routing_replay" not in jf.signature(off, "r", (2,))
+
+
+def test_a_restored_sample_keeps_its_routes_and_takes_the_rest_from_the_record(tmp_path):
+    rng = np.random.default_rng(3)
+    full = [rng.integers(0, 8, (2 + 4 - 1, 2, 2)).astype(np.uint8) for _ in range(2)]
+    a = Session(tmp_path)
+    g = a.draw(1)  # a prompt of 2 tokens: 2 + 4 tokens - 1 = 5 rows
+    for si in (0, 1):
+        g.samples[si].routes = [full[si][:3], full[si][3:]]
+        a.finish(g, si)
+    a.j.close()
+    restored = Ledger(2)  # as a checkpoint holds it: two samples cut after two tokens
+    rec = {"prompt_id": 1, "epoch": 0, "prompt": "1", "answer": "", "prompt_tokens": np.array([5, 4], np.int32)}
+    r = restored.add(rec, 1)
+    kept = full[0][:2].copy()
+    other = full[1][:3].copy()
+    other[2, 1, 0] ^= 1  # the engine routed this position otherwise: not this record's sample
+    for s, rows in zip(r.samples, (kept, other)):
+        s.tokens, s.logprobs, s.versions, s.routes = [10, 11], [0.0, -0.25], [0, 0], [rows]
+    b = Session(tmp_path, ledger=restored)
+    s0, s1 = r.samples
+    assert s0.done and s0.tokens == [10, 11, 12, 13] and s0.routes[0] is kept and len(s0.routes) == 2
+    np.testing.assert_array_equal(s0.route_rows(), full[0])
+    assert not s1.done and s1.tokens == [10, 11] and len(s1.routes) == 1
+    assert [(d["reason"], d["sample"]) for d in b.drops] == [("mismatch", 1)] and "routes" in b.drops[0]["why"]
     b.j.close()
 
 

@@ -146,3 +146,73 @@ def test_the_tpu_grouped_matmul_equals_ragged_dot_with_gradients_in_interpret_mo
     np.testing.assert_allclose(dx[:37], dx_ref[:37], atol=1e-4)
     np.testing.assert_allclose(dw, dw_ref, atol=1e-4)
     assert float(jnp.abs(dw[1]).max()) == 0.0  # the empty group's expert gets no gradient
+
+
+# ---- routing replay: given experts in place of the router's top-k ----------------------------
+R_CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qk_norm=True, n_experts=4,
+                    n_experts_per_token=2, d_ff_expert=16)
+
+
+def _moe_model(cfg=R_CFG):
+    from async_rl.model.transformer import Transformer
+    graphdef, params = nnx.split(Transformer(cfg, 40, rngs=nnx.Rngs(0)))
+    return graphdef, jax.tree.map(lambda x: x * 3.0, params)  # peaked routing: no near-ties
+
+
+def _rows(t=12):
+    from async_rl.model.transformer import layout
+    rs = np.random.RandomState(3)
+    tokens, positions, valid = np.zeros((2, t), np.int32), np.zeros((2, t), np.int32), np.zeros((2, t), bool)
+    for b, n in enumerate((t, t - 5)):  # the second row left-padded
+        start, positions[b], valid[b] = layout(n, t, t)
+        tokens[b, start:] = rs.randint(1, 40, n)
+    return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid)
+
+
+def test_route_takes_forced_experts_weighted_by_the_router_and_minus_one_rows_route_themselves():
+    layer = moe.MoE(R_CFG, rngs=nnx.Rngs(0))
+    x_NxD = jax.random.normal(jax.random.key(1), (6, 32))
+    probs, w_own, e_own = layer.route(x_NxD)
+    forced = (np.asarray(e_own) + 1) % 4
+    forced[::2] = -1
+    _, w, e = layer.route(x_NxD, jnp.asarray(forced, jnp.int16))
+    np.testing.assert_array_equal(np.asarray(e)[::2], np.asarray(e_own)[::2])
+    np.testing.assert_array_equal(np.asarray(e)[1::2], forced[1::2])
+    p = np.take_along_axis(np.asarray(probs)[1::2], forced[1::2], -1)
+    np.testing.assert_allclose(np.asarray(w)[1::2], p / p.sum(-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(w)[::2], np.asarray(w_own)[::2], rtol=1e-6)
+
+
+def test_hidden_replays_given_routes_and_the_router_still_gets_gradients():
+    graphdef, params = _moe_model()
+    model = nnx.merge(graphdef, params)
+    tokens, positions, valid = _rows()
+    _, _, own_BxTxLxK = model.prefill_at(tokens, positions, valid, jnp.zeros(2, jnp.int32), experts=True)
+    assert own_BxTxLxK.shape == (2, 12, 2, 2) and own_BxTxLxK.dtype == jnp.int32
+    free = model.hidden(tokens, positions, valid)
+    # its own experts, and -1 (route yourself) for half the columns: the same output
+    np.testing.assert_allclose(model.hidden(tokens, positions, valid, routes_BxTxLxK=own_BxTxLxK), free, atol=1e-6)
+    mixed = np.asarray(own_BxTxLxK).copy()
+    mixed[:, ::2] = -1
+    np.testing.assert_allclose(model.hidden(tokens, positions, valid, routes_BxTxLxK=mixed), free, atol=1e-6)
+    # other experts: another output, and the router is still trained through their weights
+    other = (own_BxTxLxK + 1) % 4
+    assert float(jnp.abs(model.hidden(tokens, positions, valid, routes_BxTxLxK=other) - free).max()) > 1e-3
+    probe = jax.random.normal(jax.random.key(4), free.shape)
+
+    def loss(p):
+        return (nnx.merge(graphdef, p).hidden(tokens, positions, valid, routes_BxTxLxK=other) * probe).sum()
+    g = dict(nnx.to_flat_state(jax.grad(loss)(params)))[("layers", "mlp", "router")].get_value()
+    assert float(jnp.abs(g).max(axis=(1, 2)).min()) > 1e-6  # every layer's router
+    with pytest.raises(ValueError, match="routes of shape"):
+        model.hidden(tokens, positions, valid, routes_BxTxLxK=own_BxTxLxK[:, :, :1])
+
+
+def test_routes_on_a_dense_model_are_refused():
+    from async_rl.model.transformer import Transformer
+    dense = Transformer(ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64), 40, rngs=nnx.Rngs(0))
+    tokens, positions, valid = _rows()
+    with pytest.raises(ValueError, match="dense model"):
+        dense.hidden(tokens, positions, valid, routes_BxTxLxK=jnp.zeros((2, 12, 2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="dense model"):
+        dense.prefill_at(tokens, positions, valid, jnp.zeros(2, jnp.int32), experts=True)

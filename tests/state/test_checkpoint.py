@@ -153,3 +153,30 @@ def test_two_swapped_words_in_the_ledger_are_refused(tmp_path):
     binf.write_bytes(bytes(raw))
     with pytest.raises(Damaged, match="prompt_tokens"):
         read_ledger(tmp_path, pre)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_the_ledgers_routes_go_through_the_checkpoint_item(tmp_path, dtype):
+    """Routing replay's optional arrays are written, digested and read back like the others."""
+    from async_rl.buffer.ledger import Ledger
+    from async_rl.state.items import Damaged, LedgerHandler, LedgerSave, process_prefix_here, read_ledger
+    led = Ledger(2)
+    rows = np.random.default_rng(1).integers(0, 250, (2 + 3 - 1, 4, 2)).astype(dtype)
+    g = led.add({"prompt_id": 0, "epoch": 0, "prompt": "1=", "answer": "1",
+                 "prompt_tokens": np.arange(1, 3, dtype=np.int32)}, target_step=1)
+    s = g.samples[1]
+    s.tokens, s.logprobs, s.versions, s.routes = [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], [rows[:1], rows[1:]]
+    LedgerHandler().save(tmp_path, LedgerSave(cut=led.capture(), step=1))
+    pre = process_prefix_here()
+    snap = read_ledger(tmp_path, pre)
+    assert snap.arrays["routes"].dtype == dtype and snap.arrays["route_lens"].tolist() == [0, 4]
+    back = Ledger.from_snapshot(snap).groups[0].samples
+    assert back[0].routes == [] and back[1].route_rows().dtype == dtype
+    np.testing.assert_array_equal(back[1].route_rows(), rows)
+    header = json.loads((tmp_path / f"{pre}.json").read_text())
+    binf = tmp_path / f"{pre}.bin"
+    raw = bytearray(binf.read_bytes())
+    raw[header["arrays"]["routes"]["offset"]] ^= 1  # one expert id changed
+    binf.write_bytes(bytes(raw))
+    with pytest.raises(Damaged, match="routes"):
+        read_ledger(tmp_path, pre)
