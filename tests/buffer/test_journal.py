@@ -293,7 +293,7 @@ def test_routes_round_trip_through_a_record_and_a_broken_block_is_refused(dtype,
 
 def test_the_signature_names_routing_replay_only_when_it_is_on():
     on = C.load("configs/tiny-moe.yaml", ["learner.routing_replay=true"])
-    off = C.load("configs/tiny-moe.yaml", [])
+    off = C.load("configs/tiny-moe.yaml", ["learner.routing_replay=false"])
     assert jf.signature(on, "r", (2,)) == jf.signature(off, "r", (2,)) | {"learner.routing_replay": True}
     assert "learner.routing_replay" not in jf.signature(off, "r", (2,))
 
