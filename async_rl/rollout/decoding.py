@@ -29,9 +29,11 @@ class Completion:
 class _Row:
     prompt: int  # index into the prompts
     sample: int
-    tokens: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
-    routes: Sample = dataclasses.field(default_factory=Sample)  # its `tokens` and `routes` only
+    s: Sample = dataclasses.field(default_factory=Sample)  # its tokens, logprobs and routes so far
+
+    @property
+    def tokens(self) -> list:
+        return self.s.tokens
 
 
 class Requests:
@@ -71,13 +73,12 @@ class Requests:
         for p in pieces:
             r = p.occupant
             if p.routes is not None:
-                r.routes.add_routes(len(self.prompts[r.prompt]), p.head, p.routes)
-                r.routes.tokens += p.tokens
-            r.tokens += p.tokens
-            r.logprobs += p.logprobs
+                r.s.add_routes(len(self.prompts[r.prompt]), p.head, p.routes)
+            r.s.tokens += p.tokens
+            r.s.logprobs += p.logprobs
             if p.ended:
-                self.out[r.prompt][r.sample] = Completion(np.asarray(r.tokens, np.int32),
-                                                          np.asarray(r.logprobs, np.float32), r.routes.route_rows())
+                self.out[r.prompt][r.sample] = Completion(np.asarray(r.s.tokens, np.int32),
+                                                          np.asarray(r.s.logprobs, np.float32), r.s.route_rows())
 
     def collected(self, calls: int) -> None:
         pass

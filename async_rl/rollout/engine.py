@@ -54,7 +54,7 @@ class PrefixArrays:
     starts_B: jax.Array  # int32: first valid column per row (P - prompt length)
     next_cols_B: jax.Array  # int32: column each row's next sampled token goes to
     col0: jax.Array  # int32 scalar: engine column of the cache's column 0
-    experts_BxWxLxK: jax.Array | None = None  # int32: experts used at each column (routes only)
+    experts_BxWxLxK: jax.Array | None = None  # `moe.routes_dtype`: experts used at each column (routes only)
 
 
 @jax.tree_util.register_dataclass
@@ -423,7 +423,7 @@ class Engine:
         if e is None:
             raise ValueError("head_routes: this engine records no routes (Engine(routes=True))")
         lo, hi = int(prefix.starts_B[row]) - prefix.col0, int(prefix.next_cols_B[row]) - 1 - prefix.col0
-        return np.asarray(e)[row, lo:hi].astype(moe.routes_dtype(self.model_cfg.n_experts))
+        return np.asarray(e)[row, lo:hi].copy()  # its own rows, not a view of the prefill's
 
     def _check_seq(self, prompt_tokens, completion):
         prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
@@ -582,8 +582,10 @@ class Engine:
         out = model.prefill_at(tokens_BxW, positions_BxW, valid_BxW, next_cols_B - 1 - col0, attn=self.attn,
                                col_offset=col0, experts=self.routes)
         starts_B = col0 + jnp.argmax(valid_BxW, axis=1).astype(jnp.int32)
+        # in the host's dtype, like a decode's routes: the host copy of every column is a quarter of int32's
+        experts = out[2].astype(moe.routes_dtype(self.model_cfg.n_experts)) if self.routes else None
         return PrefixArrays(cache=out[1], logits_BxV=out[0], starts_B=starts_B, next_cols_B=next_cols_B, col0=col0,
-                            experts_BxWxLxK=out[2] if self.routes else None)
+                            experts_BxWxLxK=experts)
 
     def _insert_impl(self, prefix: PrefixArrays, st: DecodeArrays, slots_B, rows_B, ordinals_B, samples_B,
                      n) -> DecodeArrays:
