@@ -245,6 +245,8 @@ def _choose_start(parts: Parts, log) -> Start:
 
 
 def resumed(parts: Parts, restored: Restored, damaged: list[DamagedStep], log) -> Start:
+    if parts.learner.teacher is not None:  # the teacher this step was trained with, or refused
+        parts.learner.teacher.pin(restored.meta.get("teacher"), f"{parts.ckpt.directory} (step {restored.step})", log)
     reshard.restore_data(parts, restored, log)  # another process count: re-partitioned; sets the iterator
     ledger = Ledger.from_snapshot(restored.ledger)
     if ledger.exhausted and not parts.iterator.exhausted:

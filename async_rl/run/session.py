@@ -323,6 +323,8 @@ class Session:
                 "processes": self.pc, "seed": self.cfg.run.seed, "time": time.time(), **reshard.meta_doc(self.parts)}
         if self.learner.lora is not None:  # the adapters are saved; the base is named and digested
             meta["lora_base"] = self.learner.base_reference()
+        if self.learner.teacher is not None:  # a resume reads this teacher again (state.teacher, I1)
+            meta["teacher"] = self.learner.teacher.reference(self.log)
         self.ckpt.save(s, self.state, it_state, cut, meta)
         if self.cfg.run.determinism:
             pump.resume()

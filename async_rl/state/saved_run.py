@@ -29,8 +29,8 @@ import yaml
 from async_rl import config as C
 from async_rl.errors import UsageError
 from async_rl.state.checkpoint import Checkpointer
-from async_rl.state.items import Damaged
-from async_rl.state.layout import committed_steps, step_dir
+from async_rl.state.items import Damaged, json_digest, read_signed_json
+from async_rl.state.layout import committed_steps, meta_file, step_dir
 from async_rl.store import runfiles, storage
 
 HOLD_PREFIX = ".async-rl-hold-"  # the held copy of a step, beside the run directory
@@ -227,6 +227,16 @@ def _host_sharding():
     except RuntimeError:
         dev = jax.local_devices()[0]
     return jax.sharding.SingleDeviceSharding(dev)
+
+
+def step_digest(run: SavedRun, step: int) -> str:
+    """The digest of step `step`'s meta, checked against the one it was signed with: the meta holds
+    the digests of everything the step holds, so one digest means one set of weights. Raises
+    FileNotFoundError (no such committed step) or Damaged."""
+    if step not in run.steps():
+        raise FileNotFoundError(f"no committed checkpoint step {step} in {run.ckpt_dir} "
+                                f"(steps: {', '.join(map(str, run.steps())) or 'none'})")
+    return json_digest(read_signed_json("meta", meta_file(step_dir(run.ckpt_dir, step)), "meta_sha256"))
 
 
 def read_params(run: SavedRun, step: int | None = None, warn: Callable[[str], None] = print) -> tuple[int, Any]:

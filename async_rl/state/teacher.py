@@ -10,7 +10,10 @@ checkpoints (`saved_run`) or HF files (`hf`).
 
 Exactly once (docs/design.md, I1): a sample does not carry its teacher logprobs. The step that
 trains a sample computes them from the frozen teacher and the sample's tokens, so a resumed run
-recomputes them bit-identically (same teacher step, same tokens, same compiled program).
+recomputes them bit-identically (same teacher step, same tokens, same compiled program). For that
+every checkpoint records which teacher it was trained with (`Teacher.reference`: a run's step
+and that step's signed meta digest, or an HF directory's files digest), and a resume reads that
+teacher again (`Teacher.pin`: the recorded step, not the teacher run's newest) or is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from async_rl.config import Config, ConfigError, ModelConfig
 from async_rl.data.tokenizer import HFTokenizer, vocabulary
 from async_rl.model import sharding
 from async_rl.model.transformer import Transformer
+from async_rl.state.items import Damaged
 from async_rl.store import runfiles
 
 
@@ -91,6 +95,7 @@ class Teacher:
         self.graphdef, self.abstract = nnx.split(abstract, nnx.Param)
         self.shardings = sharding.param_shardings(self.abstract, mesh)
         self._params = None
+        self._ref: dict | None = None
 
     def params(self, log=print) -> nnx.State:
         if self._params is None:
@@ -103,10 +108,59 @@ class Teacher:
             from async_rl.model import hf
             params = hf.load_params(spec.path, self.abstract, self.shardings)
         else:
-            from async_rl.state.saved_run import open_run, read_params
-            step, host = read_params(open_run(spec.path), warn=log)
+            from async_rl.state.saved_run import open_run, read_params, step_digest
+            run = open_run(spec.path)
+            step, host = read_params(run, spec.step, warn=log)  # a resume's pinned step, else the newest
             self.spec = spec = dataclasses.replace(spec, step=step)
+            if self._ref is None:
+                self._ref = {"kind": "run", "path": spec.path, "step": step, "digest": step_digest(run, step)}
             params = jax.tree.map(lambda x, a, s: jax.device_put(x.astype(a.dtype), s), host, self.abstract,
                                   self.shardings)
         log(f"teacher: {spec.describe()}")
         return params
+
+    def reference(self, log=print) -> dict:
+        """What a checkpoint records of the teacher its steps were trained with (a run teacher is
+        read first, so its step is known)."""
+        if self._ref is None and self.spec.kind == "run":
+            self.params(log)
+        if self._ref is None:
+            from async_rl.model.lora import files_digest
+            self._ref = {"kind": "hf", "path": self.spec.path, "digest": files_digest(self.spec.path)}
+        return self._ref
+
+    def pin(self, saved: dict | None, where: str, log=print) -> None:
+        """A resume of the checkpoint `where`, which recorded `saved` (its `reference`; None
+        before distillation was on): a run teacher is read at the recorded step; a teacher that
+        is not the recorded one (another digest, kind, or a step its run no longer holds) is
+        refused (ConfigError, one line, nothing read or written). A moved teacher is accepted."""
+        if not saved:
+            return
+        spec, was = self.spec, f"{saved.get('kind')} {saved.get('path')!r}"
+        if saved.get("kind") != spec.kind:
+            raise self._changed(where, f"{was}, a{'n' if spec.kind == 'hf' else ''} {spec.kind} directory now")
+        if spec.kind == "run":
+            from async_rl.state.saved_run import open_run, step_digest
+            step = int(saved["step"])
+            was += f" step {step}"
+            try:
+                digest = step_digest(open_run(spec.path), step)
+            except (OSError, Damaged) as e:  # gone, unreadable or damaged since
+                raise self._changed(where, f"{was}, which {spec.path!r} no longer holds whole "
+                                           f"({' '.join(str(e).split())[:160]})") from None
+            now = {"kind": "run", "path": spec.path, "step": step, "digest": digest}
+        else:
+            from async_rl.model.lora import files_digest
+            now = {"kind": "hf", "path": spec.path, "digest": files_digest(spec.path)}
+        if now["digest"] != saved.get("digest"):
+            raise self._changed(where, f"{was} (digest {saved.get('digest')}); this teacher's digest is {now['digest']}")
+        if spec.kind == "run":
+            self.spec = dataclasses.replace(spec, step=now["step"])
+        self._ref = now
+        if saved.get("path") != spec.path:
+            log(f"teacher: {spec.path} holds the teacher {where} was trained with, at {saved.get('path')} then")
+
+    def _changed(self, where: str, what: str) -> ConfigError:
+        return _refuse(self.spec.path, f"the checkpoint in {where} was trained with the teacher {what}; a resume "
+                                       "recomputes its samples' teacher logprobs, so restore that teacher or use a new "
+                                       "run.dir (nothing was changed)")

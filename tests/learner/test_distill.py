@@ -4,6 +4,8 @@ the same teacher and rows give the same step bit for bit, and bad teachers are r
 line before anything is written."""
 
 import dataclasses
+import json
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import checkpoint_steps, run_cli, tree_digest
 from test_learner import batch_of, random_rows
 
 from async_rl import config as C
@@ -20,6 +22,8 @@ from async_rl.learner import losses
 from async_rl.learner.step import Learner
 from async_rl.model import sharding
 from async_rl.state import teacher
+from async_rl.state.layout import meta_file, step_dir
+from async_rl.state.saved_run import open_run, step_digest
 
 CHAR_VOCAB = CharTokenizer().vocab_size
 
@@ -167,3 +171,57 @@ def test_masked_tokens_are_never_distilled_and_a_lora_student_learns_from_the_te
     after = jax.device_get(state["params"])
     assert np.isfinite(float(metrics["learner/distill_reverse_kl"]))
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+def test_a_resume_pins_the_recorded_teacher_and_refuses_another_in_one_line(teacher_run):
+    """`pin` (a resume): the recorded run step is the one read, whatever the teacher run holds
+    newer; another digest, or another kind of teacher, is refused naming what was recorded."""
+    spec = teacher.resolve(student_cfg(teacher_run), CharTokenizer())
+    mesh = sharding.make_devices(student_cfg(teacher_run).mesh).learner
+    last = checkpoint_steps(teacher_run)[-1]
+    ref = {"kind": "run", "path": "/elsewhere/then", "step": last, "digest": step_digest(open_run(teacher_run), last)}
+    t, said = teacher.Teacher(spec, mesh, CHAR_VOCAB), []
+    t.pin(dict(ref), "RUN (step 3)", log=said.append)
+    assert t.spec.step == last and t.reference() == dict(ref, path=str(teacher_run))
+    assert said == [f"teacher: {teacher_run} holds the teacher RUN (step 3) was trained with, at /elsewhere/then then"]
+    t.pin(None, "RUN (step 3)")  # a checkpoint from before distillation was on: nothing to pin
+    with pytest.raises(C.ConfigError, match=r"^learner.teacher=.*: the checkpoint in RUN \(step 3\) was trained with the "
+                                            r"teacher run '/elsewhere/then' step \d+ \(digest 00\); this teacher's digest is "
+                                            r"[0-9a-f]+; .*restore that teacher or use a new run.dir \(nothing was changed\)$"):
+        teacher.Teacher(spec, mesh, CHAR_VOCAB).pin(dict(ref, digest="00"), "RUN (step 3)")
+    with pytest.raises(C.ConfigError, match=r"teacher hf '/elsewhere/then', a run directory now"):
+        teacher.Teacher(spec, mesh, CHAR_VOCAB).pin(dict(ref, kind="hf"), "RUN (step 3)")
+
+
+@pytest.mark.slow
+def test_a_resumed_student_reads_its_teacher_s_recorded_step_after_the_teacher_trained_on_and_moved(
+        teacher_run, tmp_path, xla_cache):
+    """Each checkpoint records the teacher step it was trained with; the teacher run training on
+    (a newer step) and moving change nothing in the student's resume, which reads that step. A
+    teacher that lost the step is refused in one line, exit 2, the student's run untouched."""
+    a, student = tmp_path / "teacher", tmp_path / "student"
+    shutil.copytree(teacher_run, a)
+    t0 = checkpoint_steps(a)[-1]
+    small = ["data.num_records=8", "rollout.prompts_per_step=2", "model.n_layers=1"]
+    distill = [*small, "learner.distill=reverse_kl", "rollout.reward=none"]
+    r = run_cli(student, *distill, f"learner.teacher={a}", "train.max_steps=2", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    meta = lambda s: json.loads(meta_file(step_dir(student / "checkpoints", s)).read_text())  # noqa: E731
+    recorded = meta(2)["teacher"]
+    assert recorded == {"kind": "run", "path": str(a), "step": t0, "digest": step_digest(open_run(a), t0)}
+    r = run_cli(a, *small, "data.num_epochs=2", cache=xla_cache)  # the teacher trains on
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert checkpoint_steps(a)[-1] > t0 and t0 in checkpoint_steps(a)
+    b = a.rename(tmp_path / "moved")
+    r = run_cli(student, *distill, f"learner.teacher={b}", "train.max_steps=3", cache=xla_cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert f"teacher: run {b} step {t0}:" in out and f"teacher: {b} holds the teacher" in out
+    assert meta(3)["teacher"] == dict(recorded, path=str(b))
+    shutil.rmtree(step_dir(b / "checkpoints", t0))  # as the teacher run's checkpoint.keep would
+    before = tree_digest(student)
+    r = run_cli(student, *distill, f"learner.teacher={b}", "train.max_steps=4", cache=xla_cache)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()][-1]
+    assert last.startswith(f"error: learner.teacher='{b}': the checkpoint in ") and f"step {t0}, which" in last
+    assert tree_digest(student) == before
