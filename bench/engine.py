@@ -62,9 +62,10 @@ from async_rl import config as cfg_lib
 from async_rl.model.transformer import Transformer, layout
 from async_rl.plan import chips
 from async_rl.rollout.decoding import Requests, generate_all
-from async_rl.rollout.engine import Engine, sample_token, token_key
+from async_rl.rollout.engine import Engine
 from async_rl.rollout.interface import BuiltinRollout
 from async_rl.rollout.paged_engine import PagedEngine
+from async_rl.rollout.sampling import sample_token, token_key
 
 
 def parse_args():

@@ -11,7 +11,7 @@ from flax import nnx
 
 from async_rl.model.transformer import layout
 from async_rl.rollout.decoding import Completion
-from async_rl.rollout.engine import sample_token, token_key
+from async_rl.rollout.sampling import sample_token, token_key
 
 
 @functools.lru_cache(maxsize=16)

@@ -42,6 +42,7 @@ from async_rl.config import ConfigError, ModelConfig
 from async_rl.model import attention, moe, sharding
 from async_rl.model.sharding import is_var as _is_var
 from async_rl.model.transformer import KVCache, Recent, init_cache, init_recent, layout, write_recent
+from async_rl.rollout.sampling import sample_token, token_key
 
 
 @jax.tree_util.register_dataclass
@@ -108,35 +109,6 @@ class Prefix:
     def block_until_ready(self) -> Prefix:
         jax.block_until_ready(self.arrays)
         return self
-
-
-def token_key(seed: int, ordinal, sample, n) -> jax.Array:
-    """Key for completion token n of (ordinal, sample): independent of slot, batch and order."""
-    key = jax.random.PRNGKey(seed)
-    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, ordinal), sample), n)
-
-
-def sample_token(logits_V, key, *, temperature: float, top_k: int, top_p: float):
-    """(token int32, logprob fp32) for one row; logprob ignores top-k/top-p truncation."""
-    logits_V = logits_V.astype(jnp.float32)
-    if temperature == 0:
-        token = jnp.argmax(logits_V).astype(jnp.int32)
-        return token, jax.nn.log_softmax(logits_V)[token]
-    scaled_V = logits_V / temperature
-    logp_V = jax.nn.log_softmax(scaled_V)
-    masked_V = scaled_V
-    if top_k > 0 and top_k < scaled_V.shape[-1]:
-        kth = jax.lax.top_k(scaled_V, top_k)[0][-1]
-        masked_V = jnp.where(scaled_V >= kth, masked_V, -jnp.inf)
-    if top_p < 1.0:
-        sorted_V = jnp.sort(masked_V)[::-1]
-        probs_V = jax.nn.softmax(sorted_V)
-        # Keep a token while the mass strictly before it is < top_p; the first always stays.
-        keep_V = (jnp.cumsum(probs_V) - probs_V) < top_p
-        cutoff = jnp.min(jnp.where(keep_V, sorted_V, jnp.inf))
-        masked_V = jnp.where(masked_V >= cutoff, masked_V, -jnp.inf)
-    token = jax.random.categorical(key, masked_V).astype(jnp.int32)
-    return token, logp_V[token]
 
 
 AXES = ("data", "tensor")

@@ -78,7 +78,7 @@ def jax_device(torch_device):
 def untruncated_logprobs(sampler, n_tokens: int = 0) -> None:
     """Makes vLLM's sampler return the sampled tokens' logprobs before top-k/top-p: its
     processed logprobs renormalise over the kept tokens, while the learner's ratio needs
-    log softmax(logits / T) over all the tokenizer's ids (the engine's `sample_token`).
+    log softmax(logits / T) over all the tokenizer's ids (the engine's `sampling.sample_token`).
     The top-k/top-p step receives the logits after the allowed-ids mask and temperature;
     `n_tokens` > 0 masks the ids at and past it there (a server whose requests carry no
     allowed ids: the fleet's)."""

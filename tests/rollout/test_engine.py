@@ -3,6 +3,7 @@ independent of slot and schedule, continuation from a saved prefix, weight swaps
 recompiling, and a fixed number of compilations."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,7 +13,8 @@ from naive_decoder import naive_generate
 from async_rl.config import ModelConfig
 from async_rl.model.transformer import Transformer, layout
 from async_rl.rollout.decoding import generate_all
-from async_rl.rollout.engine import Engine, sample_token
+from async_rl.rollout.engine import Engine
+from async_rl.rollout.sampling import nucleus_V, sample_token
 
 V, P, N, EOS = 40, 8, 8, 2
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, qkv_bias=True,
@@ -209,6 +211,23 @@ def test_top_k_and_top_p_truncate_but_logprob_does_not():
     greedy = int(np.argmax(logits))
     toks, _ = jax.vmap(lambda k: sample_token(logits, k, temperature=1.0, top_k=0, top_p=1e-6))(keys)
     assert set(np.asarray(toks).tolist()) == {greedy}
+
+
+def test_the_top_p_set_found_without_a_sort_is_the_sorted_cumulative_one():
+    """nucleus_V against the definition (sort, keep while the mass before a token is < top_p,
+    ties kept together), on rows with ties, -inf (top-k cut) entries, one dominant token."""
+    rs = np.random.RandomState(3)
+    rows = [rs.randn(V).astype(np.float32) * s for s in (0.3, 1.0, 4.0)]
+    rows.append(np.round(rs.randn(V) * 2).astype(np.float32))  # many ties
+    rows.append(np.where(rs.rand(V) < 0.5, -np.inf, rs.randn(V)).astype(np.float32))
+    rows.append(np.r_[np.float32(30.0), rs.randn(V - 1).astype(np.float32)])
+    for x in rows:
+        for top_p in (1e-6, 0.1, 0.5, 0.9, 0.999):
+            got = np.asarray(jax.jit(nucleus_V, static_argnums=1)(jnp.asarray(x), top_p))
+            order = np.argsort(-x, kind="stable")
+            p = np.exp(x[order] - x.max()) / np.exp(x - x.max()).sum()
+            cutoff = x[order][(np.cumsum(p) - p) < top_p].min()
+            np.testing.assert_array_equal(got, x >= cutoff, err_msg=f"top_p {top_p}")
 
 
 @pytest.mark.parametrize("devices,layout", [("one", "stacked"), (None, "stacked"), ("one", "recent"),
