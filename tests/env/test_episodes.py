@@ -212,16 +212,18 @@ def test_a_bad_env_step_fails_the_run_with_one_line_and_a_resume_continues(tmp_p
 
 
 @pytest.mark.slow
-def test_a_distilled_multi_turn_run_scores_the_policy_s_tokens_and_never_the_env_s(tmp_path, xla_cache):
+def test_a_distilled_multi_turn_lora_run_scores_the_policy_s_tokens_and_never_the_env_s(tmp_path, xla_cache):
     """learner.distill on episodes of the recall env (call, tool observation, answer), with no
-    reward: the teacher (a recall run) scores the step's tokens, and the mean behaviour logprob
+    reward, the student a LoRA one: the teacher (a recall run) scores the step's tokens, the
+    adapters train, and the mean behaviour logprob
     the step distilled against is exactly the mean over the policy's tokens in rollouts.jsonl:
     the env's observation tokens (version OBSERVATION) are outside the distilled tokens."""
     small = [*BASE, *EPISODE, "rollout.env=recall", "data.num_records=8"]
     r = run_cli(tmp_path / "teacher", *small, "train.max_steps=2", cache=xla_cache)
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli(tmp_path / "student", *small, "train.max_steps=3", "learner.distill=reverse_kl",
-                f"learner.teacher={tmp_path / 'teacher'}", "rollout.reward=none", cache=xla_cache)
+                f"learner.teacher={tmp_path / 'teacher'}", "rollout.reward=none", "learner.lora_rank=4",
+                cache=xla_cache)
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = [json.loads(x) for x in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "learner/student_logp" in m]
@@ -235,4 +237,5 @@ def test_a_distilled_multi_turn_run_scores_the_policy_s_tokens_and_never_the_env
     assert observed > 0  # the episodes did call the tool
     for m in trained:
         assert math.isfinite(m["learner/distill_reverse_kl"]) and math.isfinite(m["learner/teacher_logp"])
+        assert m["learner/grad_norm"] > 0
         assert m["learner/student_logp"] == pytest.approx(sum(by_step[m["step"]]) / len(by_step[m["step"]]), abs=1e-5)
