@@ -101,7 +101,7 @@ def with_elapsed(rows: list[dict]) -> list[dict]:
     the loop, of perf/pump_idle_frac). Works for a run that started fresh in one process."""
     out, acc = [], 0.0
     for r in sorted(rows, key=lambda r: r["step"]):
-        acc += float(r["perf/step_time_s"])
+        acc += float(r.get("perf/step_time_s", 0.0))  # an evaluation's own row (step 0: before any) adds none
         out.append(dict(r, _elapsed=acc))
     return out
 

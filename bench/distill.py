@@ -9,7 +9,8 @@ held-out accuracy reached `--target`, the final accuracy and the wall time. Runs
 `--smollm2` (after `make real-model`): the teacher is `configs/smollm2-arith.yaml`'s RL job
 (GRPO from SmolLM2-135M-Instruct), the student the same untrained model distilled with no
 reward; the target is the teacher's final held-out accuracy less `--margin`, and the baseline is
-the teacher's own RL run (the steps it took to reach the target).
+the teacher's own RL run (the steps it took to reach the target). With `--out`, a teacher
+that already finished there (`teacher/final.json`) is reused.
 
     .venv/bin/python bench/distill.py
     .venv/bin/python bench/distill.py --config configs/tiny-tools.yaml   # a multi-turn env with a tool
@@ -48,6 +49,10 @@ def train(args, run_dir: Path, overrides: list[str]) -> dict:
                       timeout=args.timeout)
     if child.rc != 0:
         sys.exit(f"{run_dir.name}: exit {child.rc}\n{child.tail(10)}")
+    return summary(run_dir)
+
+
+def summary(run_dir: Path) -> dict:
     rows = with_elapsed(read_jsonl(run_dir / "metrics.jsonl"))
     evals = [r for r in rows if "eval/accuracy" in r]
     kl = [r["learner/distill_reverse_kl"] for r in rows if "learner/distill_reverse_kl" in r]
@@ -66,7 +71,10 @@ def main() -> None:
     args = parse_args()
     parent = Path(args.out or tempfile.mkdtemp(prefix="distill-bench-"))
     student = [o for o in args.student.split(",") if o] + [f"eval.every_steps={args.eval_every}"]
-    teacher = train(args, parent / "teacher", [f"eval.every_steps={args.eval_every}"] if args.smollm2 else [])
+    if (parent / "teacher" / "final.json").exists():  # a teacher trained to its end there before: reused
+        teacher = summary(parent / "teacher")
+    else:
+        teacher = train(args, parent / "teacher", [f"eval.every_steps={args.eval_every}"] if args.smollm2 else [])
     distill = train(args, parent / "distill", [*student, "learner.distill=reverse_kl",
                                                f"learner.teacher={parent / 'teacher'}", "rollout.reward=none"])
     if args.smollm2:  # the same model untrained: the teacher's own RL run is the baseline
