@@ -107,6 +107,8 @@ class Teacher:
         if spec.kind == "hf":
             from async_rl.model import hf
             params = hf.load_params(spec.path, self.abstract, self.shardings)
+            if self._ref is None:  # read here, at the start, not inside the first save
+                self._ref = self._hf_reference()
         else:
             from async_rl.state.saved_run import open_run, read_params, step_digest
             run = open_run(spec.path)
@@ -120,14 +122,15 @@ class Teacher:
         return params
 
     def reference(self, log=print) -> dict:
-        """What a checkpoint records of the teacher its steps were trained with (a run teacher is
-        read first, so its step is known)."""
-        if self._ref is None and self.spec.kind == "run":
-            self.params(log)
+        """What a checkpoint records of the teacher its steps were trained with (read with the
+        teacher's parameters, which a save before the first step reads first)."""
         if self._ref is None:
-            from async_rl.model.lora import files_digest
-            self._ref = {"kind": "hf", "path": self.spec.path, "digest": files_digest(self.spec.path)}
+            self.params(log)
         return self._ref
+
+    def _hf_reference(self) -> dict:
+        from async_rl.model.lora import files_digest
+        return {"kind": "hf", "path": self.spec.path, "digest": files_digest(self.spec.path)}
 
     def pin(self, saved: dict | None, where: str, log=print) -> None:
         """A resume of the checkpoint `where`, which recorded `saved` (its `reference`; None
@@ -139,19 +142,15 @@ class Teacher:
         spec, was = self.spec, f"{saved.get('kind')} {saved.get('path')!r}"
         if saved.get("kind") != spec.kind:
             raise self._changed(where, f"{was}, a{'n' if spec.kind == 'hf' else ''} {spec.kind} directory now")
-        if spec.kind == "run":
-            from async_rl.state.saved_run import open_run, step_digest
-            step = int(saved["step"])
-            was += f" step {step}"
-            try:
-                digest = step_digest(open_run(spec.path), step)
-            except (OSError, Damaged) as e:  # gone, unreadable or damaged since
-                raise self._changed(where, f"{was}, which {spec.path!r} no longer holds whole "
-                                           f"({' '.join(str(e).split())[:160]})") from None
-            now = {"kind": "run", "path": spec.path, "step": step, "digest": digest}
-        else:
-            from async_rl.model.lora import files_digest
-            now = {"kind": "hf", "path": spec.path, "digest": files_digest(spec.path)}
+        from async_rl.state.saved_run import open_run, step_digest
+        was += f" step {saved['step']}" if spec.kind == "run" else ""
+        try:
+            now = (self._hf_reference() if spec.kind == "hf" else
+                   {"kind": "run", "path": spec.path, "step": int(saved["step"]),
+                    "digest": step_digest(open_run(spec.path), int(saved["step"]))})
+        except (OSError, Damaged) as e:  # gone, unreadable or damaged since
+            raise self._changed(where, f"{was}, which {spec.path!r} no longer holds whole "
+                                       f"({' '.join(str(e).split())[:160]})") from None
         if now["digest"] != saved.get("digest"):
             raise self._changed(where, f"{was} (digest {saved.get('digest')}); this teacher's digest is {now['digest']}")
         if spec.kind == "run":

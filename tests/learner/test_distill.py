@@ -193,6 +193,28 @@ def test_a_resume_pins_the_recorded_teacher_and_refuses_another_in_one_line(teac
         teacher.Teacher(spec, mesh, CHAR_VOCAB).pin(dict(ref, kind="hf"), "RUN (step 3)")
 
 
+
+def test_an_hf_teacher_is_recorded_by_its_files_digest_and_a_changed_or_missing_one_refused(teacher_run, tmp_path):
+    from async_rl.model.lora import files_digest
+    run_spec = teacher.resolve(student_cfg(teacher_run), CharTokenizer())
+    mesh = sharding.make_devices(student_cfg(teacher_run).mesh).learner
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    (hf_dir / "model.safetensors").write_bytes(b"weights v1")
+    spec = dataclasses.replace(run_spec, path=str(hf_dir), kind="hf")
+    ref = {"kind": "hf", "path": str(hf_dir), "digest": files_digest(hf_dir)}
+    t = teacher.Teacher(spec, mesh, CHAR_VOCAB)
+    t.pin(dict(ref), "RUN (step 3)")
+    assert t.reference() == ref
+    (hf_dir / "model.safetensors").write_bytes(b"weights v2")
+    with pytest.raises(C.ConfigError, match=r"teacher hf '.*/hf' \(digest [0-9a-f]+\); this teacher's digest is"):
+        teacher.Teacher(spec, mesh, CHAR_VOCAB).pin(dict(ref), "RUN (step 3)")
+    shutil.rmtree(hf_dir)
+    with pytest.raises(C.ConfigError, match=r"teacher hf '.*/hf', which '.*/hf' no longer holds whole"):
+        teacher.Teacher(spec, mesh, CHAR_VOCAB).pin(dict(ref), "RUN (step 3)")
+
+
 @pytest.mark.slow
 def test_a_resumed_student_reads_its_teacher_s_recorded_step_after_the_teacher_trained_on_and_moved(
         teacher_run, tmp_path, xla_cache):
