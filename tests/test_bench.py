@@ -102,3 +102,11 @@ def test_the_moe_bench_prints_both_tables():
     for line in ("| dense SwiGLU, width k x F", "| MoE, E experts top-k", "| dense  ", "| MoE, routing replay off ",
                  "| MoE, routing replay on "):
         assert line in r.stdout, r.stdout[-3000:]
+
+
+def test_the_sampling_bench_keeps_one_set_by_both_paths():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "bench/sampling.py", "--rows", "4", "--vocab", "2048", "--repeats", "1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kept sets identical: True" in r.stdout and "| threshold halving " in r.stdout, r.stdout[-3000:]
