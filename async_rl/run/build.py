@@ -196,11 +196,14 @@ def serving_parts(cfg: Config) -> tuple[Any, Engine, Any]:
 
 def choose_start(parts: Parts, log) -> Start:
     """Where the run starts; refused (nothing in run.dir changed, the lock not yet taken) where
-    the run's env or reward code changed since it recorded them (`env.identity`)."""
+    the run's env or reward code changed since it recorded them (`env.identity`), or a
+    distillation teacher's weights cannot be read."""
     start = _choose_start(parts, log)
     if not start.restart:
         code = identity.identity(parts.cfg, parts.env, parts.reward_fn)
         identity.check(parts.run_dir, code, parts.cfg.run.env_changed, log)
+    if parts.learner.teacher is not None:  # read (a resume's pinned step) before the run writes anything
+        parts.learner.teacher.params(log)
     return start
 
 

@@ -98,8 +98,15 @@ class Teacher:
         self._ref: dict | None = None
 
     def params(self, log=print) -> nnx.State:
+        """The parameters, read (and verified) once: a teacher whose weights cannot be read is
+        refused (ConfigError, one line); `run.build.choose_start` reads them before the run writes."""
         if self._params is None:
-            self._params = self._load(log)
+            from async_rl.errors import UsageError
+            try:
+                self._params = self._load(log)
+            except (FileNotFoundError, Damaged, UsageError) as e:  # no step verifies, a file missing or damaged
+                raise _refuse(self.spec.path, f"its weights cannot be read ({' '.join(str(e).split())[:300]}); "
+                                              "nothing was changed") from None
         return self._params
 
     def _load(self, log) -> nnx.State:

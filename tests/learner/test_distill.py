@@ -128,6 +128,22 @@ def test_a_bad_teacher_or_coefficient_exits_2_in_one_line_and_writes_nothing(tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_teacher_whose_every_step_is_damaged_exits_2_in_one_line_and_writes_nothing(tmp_path, teacher_run):
+    bad = tmp_path / "damaged_teacher"
+    shutil.copytree(teacher_run, bad)
+    for step in checkpoint_steps(bad):  # each step's meta no longer matches its signature
+        meta = meta_file(step_dir(bad / "checkpoints", step))
+        meta.write_text(meta.read_text().replace('"seed": ', '"seed": 1', 1))
+    r = subprocess.run([sys.executable, "-m", "async_rl", "train", "--config", "configs/tiny.yaml",
+                        f"run.dir={tmp_path / 'run'}", "learner.distill=reverse_kl", f"learner.teacher={bad}"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()][-1]
+    assert last.startswith(f"error: learner.teacher='{bad}': its weights cannot be read (") and "verifies" in last
+    assert last.endswith("nothing was changed")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_teacher_too_large_to_fit_beside_the_student_is_refused_before_it_is_read(teacher_run, tmp_path):
     import shutil
 
