@@ -1,38 +1,31 @@
-"""The fleet: which generation servers a run has, whether each may take work, and its weights.
+"""The fleet: which generation servers a run has, and whether each may take work.
 
 Owns: membership (`engine.servers`, `engine.servers_file` re-read every few seconds,
 `engine.servers_dns` resolved to every address behind a name), joining a server (its
 `/v1/fleet/info` fingerprint against the run's: one line naming the field when they differ,
-and the server is refused), giving it the weights version the run is on before it gets work
-(`/update_weights`: with `engine.weights_transport=file` the file `publish` wrote under
-run.dir, with `jax` a registration of the version `publish` kept, one per server and version,
-that the server pulls from this process), health (a server that fails a probe or a stream is
-down; one silent past `engine.health_timeout_s` is down; a down server is asked again and
-rejoins), and the version files' lifetime. Every call is bounded.
-Does not own: the samples on a server or their streams (`remote`), the weights file format
-(`weights`), moving arrays point to point (`transfer`), which sample goes where (`allocator`).
+and the server is refused), having it load the weights version the run is on before it gets
+work (`publication.Publication.catch_up`), health (a server that fails a probe or a stream,
+or a weights load, is down; one silent past `engine.health_timeout_s` is down; a down server
+is asked again and rejoins), and the previous trainer session's fence. Every call is bounded.
+Does not own: the samples on a server or their streams (`remote`), publishing a version and
+pushing it to a server (`publication`), which sample goes where (`allocator`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import time
 from dataclasses import dataclass, field
 
-from async_rl.config import ConfigError
-from async_rl.rollout import transfer, weights
+from async_rl.rollout import weights
+from async_rl.rollout.publication import LoadFailed, Publication, worker_rpc
 from async_rl.store import runfiles, storage
 
 PROBE_EVERY_S = 2.0  # membership re-read and health probes
-BASE = "base.npz"  # LoRA: the frozen base, written once per session
-VERSION_FILE = re.compile(r"v\d+\.npz")
-PEFT_DIR = re.compile(r"peft-v\d+")  # LoRA on vLLM servers: one PEFT adapter directory per version
 SESSION = "session"  # the request tag of the trainer session that drives the fleet now
 VLLM_HOW = ("a vLLM server must run with VLLM_SERVER_DEV_MODE=1 and "
             "--worker-extension-cls async_rl.rollout.vllm_worker.FleetWorker")
-KEEP_VERSIONS = 3  # version files kept (a joining server may still be loading an older one)
 
 
 @dataclass(eq=False)
@@ -48,10 +41,6 @@ class Server:
     kind: str = "async-rl"  # async-rl | vllm (a stock `vllm serve` with the worker extension)
     model: str = "async-rl"  # the model name its completions requests carry (LoRA on vLLM: the adapter's)
     adapters: list = field(default_factory=list)  # vLLM + LoRA: adapter names loaded, oldest first
-
-
-class LoadFailed(RuntimeError):
-    """A server did not load a weights version (the line names the version)."""
 
 
 def parse_urls(text: str, source: str) -> list[str]:
@@ -78,24 +67,14 @@ class Fleet:
         self.timeout_s = e.health_timeout_s
         self.fingerprint, self.client, self.log, self.on_change = fingerprint, client, log, on_change
         self.dir = storage.run_path(run_dir) / runfiles.FLEET_WEIGHTS
-        self.transport = e.weights_transport
-        if self.transport == "jax" and (why := transfer.unavailable()) is not None:
-            raise ConfigError(f"engine.weights_transport=jax: {why}")
-        self.offer: transfer.Offer | None = None  # jax: the newest version, kept on this process
-        self.owner: transfer.Owner | None = None  # jax: this run's transfer server (started at the first push)
-        self._owner_lock = asyncio.Lock()
+        self.weights = Publication(cfg, run_dir, client, on_change, run_tag=run_tag, timeout_s=self.timeout_s)
         self.servers: dict[str, Server] = {}
         # the previous trainer session's tag: its requests still on a server are aborted at join
         self.run_tag = run_tag
         self.fence = self._take_session(run_tag) if run_tag else None
-        self.base_uri: str | None = None  # LoRA: the frozen base's file (version files hold adapters)
         self.lora = cfg.learner.lora_rank > 0
-        self._adapters: tuple | None = None  # LoRA: (version, its adapters) for vLLM servers' PEFT directories
-        self.current: tuple[int, str] | None = None  # (version, uri) every server should hold
-        self.given: set[int] = set()  # versions published to the fleet (a server reporting another is garbage)
         self._file_said = ""
         self._waiting_said = 0.0
-        self._reading: dict[str, int] = {}  # version file -> servers loading it now (kept until they end)
         self.closing = False  # the trainer is closing the fleet: its calls end, no server is down for it
 
     def _take_session(self, tag: str) -> str | None:
@@ -173,7 +152,7 @@ class Fleet:
             if why is not None:
                 return self.refuse(s, why)
             s.version = None  # what it holds may be another session's: it loads this one's
-            await self.catch_up(s)
+            await self.weights.catch_up(s)
             if s.state == "joining":
                 was = s.why
                 s.state, s.last_ok, s.why = "ready", time.monotonic(), ""
@@ -219,11 +198,11 @@ class Fleet:
         why = ("run.determinism: vLLM's tokens are not bit-identical to the built-in engine's" if self.cfg.run.determinism
                else "a LoRA run's adapters are read from run.dir by a vLLM server: it must be a local folder they share"
                if self.lora and storage.is_remote(self.cfg.run.dir)
-               else "engine.weights_transport=jax reaches async-rl serve servers only" if self.transport == "jax"
+               else "engine.weights_transport=jax reaches async-rl serve servers only" if self.weights.transport == "jax"
                else "model.hf_path is not set (the checkpoint a vLLM server serves)" if not hf_path else None)
         if why is not None:
             return f"a vLLM server: {why}"
-        info = await self.rpc(s, "async_rl_info", str(self.n_tokens))
+        info = await worker_rpc(self.client, s.url, "async_rl_info", str(self.n_tokens))
         if info is None:
             return (f"{VLLM_HOW}: its /collective_rpc did not answer async_rl_info")
         if (why := weights.mismatch(weights.hf_fingerprint(hf_path), info["fingerprint"])) is not None:
@@ -237,163 +216,14 @@ class Fleet:
         s.capacity = int(info["capacity"])
         return None
 
-    async def rpc(self, s: Server, method: str, *args: str, timeout: float = 30.0):
-        """One `vllm_worker.FleetWorker` method on a vLLM server (its first worker's answer);
-        None where the server has no such endpoint or method (it is not set up for a fleet)."""
-        r = await self.client.post(f"{s.url}/collective_rpc", json={"method": method, "args": list(args),
-                                                                    "timeout": timeout}, timeout=timeout + 10.0)
-        if r.status_code in (404, 405) or (r.status_code == 500 and method in r.text):
-            return None
-        if r.status_code != 200:
-            raise RuntimeError(f"/collective_rpc {method} answered {r.status_code}: {r.text[:200]}")
-        return r.json()["results"][0]
-
-    async def catch_up(self, s: Server) -> None:
-        """Has one server load the newest version, one push at a time per server (a version
-        published meanwhile is pushed next): versions reach a server in order."""
-        async with s.pushing:
-            while self.current is not None and s.version != self.current[0]:
-                await self.push(s, *self.current)
-
-    async def push(self, s: Server, version: int, uri: str) -> None:
-        """Has one server load `version` (bounded: a server killed mid-fetch is down, not awaited).
-        Its file stays while the server reads it, however many versions are published meanwhile
-        (a slow server is not taken down by the newest few being kept)."""
-        name = uri.rsplit("/", 1)[-1]
-        self._reading[name] = self._reading.get(name, 0) + 1
-        try:
-            await self._push(s, version, uri)
-        except Exception as e:
-            raise LoadFailed(f"loading weights version {version} failed: {type(e).__name__} {e}".strip()) from e
-        finally:
-            self._reading[name] -= 1
-            if not self._reading[name]:
-                del self._reading[name]
-
-    async def _push(self, s: Server, version: int, uri: str) -> None:
-        bound = max(60.0, self.timeout_s)
-        if s.kind == "vllm":
-            return await (self._push_lora(s, bound) if self.lora else self._push_vllm(s, version, uri, bound))
-        if self.transport == "jax":
-            offer = self.offer  # the newest version's leaves: an older one is gone already
-            version = offer.version
-            body = {"version": version, "transfer": await self.register(s, offer, bound), "run": self.run_tag}
-        else:
-            body = {"version": version, "uri": uri, "run": self.run_tag}
-            if self.base_uri is not None:
-                body["base"] = self.base_uri
-        r = await self.client.post(f"{s.url}/update_weights", json=body, timeout=bound)
-        if r.status_code != 200:
-            raise RuntimeError(f"/update_weights answered {r.status_code}: {r.text[:200]}")
-        got = r.json().get("version")
-        if got != version:
-            raise RuntimeError(f"/update_weights answered version {got}, asked {version}")
-        s.version = version
-        s.last_ok = time.monotonic()
-        self.on_change()
-
-    async def _push_vllm(self, s: Server, version: int, uri: str, bound: float) -> None:
-        """A vLLM server's tokens carry no version: it loads only with none of this run's
-        samples on it (they continue elsewhere, or here once it holds the new version), so
-        every token it sends comes from the version it held when its request began."""
-        ready, s.state = s.state == "ready", "loading" if s.state == "ready" else s.state
-        if ready:
-            self.on_change()
-        await self.rpc(s, "async_rl_load", uri, timeout=bound)
-        r = await self.client.post(f"{s.url}/reset_prefix_cache", timeout=min(30.0, bound))
-        r.raise_for_status()
-        s.version, s.last_ok = version, time.monotonic()
-        if ready and s.state == "loading":
-            s.state = "ready"
-        self.on_change()
-
-    async def _push_lora(self, s: Server, bound: float) -> None:
-        """A LoRA run's newest adapters into a vLLM server under a name of their own
-        (`/v1/load_lora_adapter`): each request names the adapter it runs with, so samples on the
-        server keep theirs and the version a token carries is the one its request named. The
-        name before the previous one is unloaded (in-flight requests keep what they hold; the
-        previous may still be named by a request being sent). In place: a server that was down
-        but kept running may hold the name already."""
-        version, path = await asyncio.to_thread(self._peft)
-        name = f"{self.run_tag or 'async-rl'}-v{version}"
-        r = await self.client.post(f"{s.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,
-                                                                         "load_inplace": True},
-                                   timeout=bound)
-        if r.status_code != 200:
-            raise RuntimeError(f"/v1/load_lora_adapter answered {r.status_code}: {r.text[:200]}")
-        s.adapters.append(name)
-        s.model, s.version, s.last_ok = name, version, time.monotonic()
-        for old in s.adapters[:-2]:
-            r = await self.client.post(f"{s.url}/v1/unload_lora_adapter", json={"lora_name": old}, timeout=bound)
-            if r.status_code not in (200, 404):
-                raise RuntimeError(f"/v1/unload_lora_adapter answered {r.status_code}: {r.text[:200]}")
-        del s.adapters[:-2]
-        self.on_change()
-
-    def _peft(self) -> tuple[int, str]:
-        """The newest version's adapters as a PEFT directory under run.dir (written once; the
-        newest few kept: vLLM reads an adapter again from its directory once it dropped it)."""
-        from async_rl.model import hf
-
-        version, adapters = self._adapters
-        out = storage.run_path(self.dir) / f"peft-v{version:010d}"
-        if not (out / "adapter_config.json").exists():
-            tmp = out.with_name(out.name + ".tmp")
-            storage.remove_tree(tmp)
-            hf.save_peft(adapters, tmp, rank=self.cfg.learner.lora_rank,
-                         alpha=self.cfg.learner.lora_alpha, gemma=self.cfg.model.gemma)
-            storage.move(tmp, out)
-        for name in sorted(n for n in storage.listdir(self.dir) if PEFT_DIR.fullmatch(n))[:-KEEP_VERSIONS]:
-            storage.remove_tree(storage.run_path(self.dir) / name)
-        return version, str(out.resolve())
-
     async def push_all(self) -> None:
         """Every ready server loads the newest version."""
         async def one(s):
             try:
-                await self.catch_up(s)
+                await self.weights.catch_up(s)
             except Exception as e:  # noqa: BLE001 - push's LoadFailed names the version
                 self.down(s, str(e) if isinstance(e, LoadFailed) else f"{type(e).__name__} {e}".strip())
         await asyncio.gather(*(one(s) for s in list(self.servers.values()) if s.state == "ready"))
-
-    async def register(self, s: Server, offer: transfer.Offer, bound: float) -> dict:
-        """`/update_weights`' transfer for one server: `offer` registered for one pull, kept for
-        `bound` seconds (what the server is given to pull it in) and a margin, then dropped."""
-        async with self._owner_lock:
-            if self.owner is None:
-                from urllib.parse import urlsplit
-                host = transfer.local_host(urlsplit(s.url).hostname or "127.0.0.1")
-                self.owner = await asyncio.to_thread(transfer.Owner, host)
-        uuid = await asyncio.to_thread(self.owner.offer, offer, bound + 30.0)
-        return {"address": self.owner.address, "uuid": uuid, "leaves": offer.leaves, "timeout_s": bound}
-
-    def publish(self, params, version: int) -> str:
-        """Makes `version` the fleet's (off the pump's lock): writes its file and keeps the newest
-        few (file), or keeps its leaves here for the servers to pull (jax: no file; "" returned)."""
-        if self.transport == "jax":
-            self.offer = transfer.Offer(params, version)  # the previous one goes with its last registration
-            self.current = (version, "")
-            self.given.add(version)
-            return ""
-        storage.mkdirs(self.dir)
-        uri = storage.url(self.dir / f"v{version:010d}.npz")
-        only = None
-        if self.base_uri is not None or any(map(weights.is_adapter, weights.keys(params))):
-            only = weights.is_adapter  # LoRA: the frozen base once per session, then adapters alone
-            if self.base_uri is None:
-                base = storage.url(self.dir / BASE)
-                weights.save(base, params, version, only=lambda k: not weights.is_adapter(k))
-                self.base_uri = base
-        weights.save(uri, params, version, only=only)
-        if only is not None:
-            from flax import nnx
-            self._adapters = (version, nnx.filter_state(params, nnx.LoRAParam))
-        self.current = (version, uri)
-        self.given.add(version)
-        for name in sorted(n for n in storage.listdir(self.dir) if VERSION_FILE.fullmatch(n))[:-KEEP_VERSIONS]:
-            if name not in self._reading:
-                storage.remove(self.dir / name)
-        return uri
 
     def down(self, s: Server, why: str) -> None:
         if s.state in ("down", "gone", "refused") or self.closing:

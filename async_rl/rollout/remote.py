@@ -12,7 +12,8 @@ A stock vLLM server (`fleet`, `vllm_worker`) is asked with vLLM's own sampling f
 tokens carry the version it held when the request began (with LoRA, the adapter the request names).
 Runs its HTTP calls on an event loop of its own thread; the pump's calls only queue work and
 read what arrived. Needs the `[fleet]` extra (httpx).
-Does not own: membership, health and weights (`fleet`), the server (`server`), the ledger.
+Does not own: membership and health (`fleet`), weights publication (`publication`), the server
+(`server`), the ledger.
 """
 
 from __future__ import annotations
@@ -83,11 +84,10 @@ class RemoteRollout:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
                                          limits=httpx.Limits(max_connections=None,
                                                              max_keepalive_connections=self.capacity + 16))
-        self._writing = asyncio.Lock()  # one version written at a time, in order
         self._failed: BaseException | None = None  # publishing a version failed (the run stops)
         self.fleet = Fleet(cfg, fingerprint, run_dir, self._client, log, self._changed, run_tag=run_tag,
                            n_tokens=n_tokens)
-        self.fleet.publish(params, version)
+        self.fleet.weights.publish(params, version)
         self._ticker = asyncio.run_coroutine_threadsafe(self._tick(), self._loop)
 
     # ---- the Rollout protocol (pump thread) ----------------------------------------------------
@@ -101,11 +101,8 @@ class RemoteRollout:
 
     async def _publish(self, params, version: int) -> None:
         try:
-            async with self._writing:
-                if self.fleet.current is not None and version <= self.fleet.current[0]:
-                    return
-                await asyncio.to_thread(self.fleet.publish, params, version)
-            await self.fleet.push_all()
+            if await self.fleet.weights.publish_newer(params, version):
+                await self.fleet.push_all()
         except Exception as e:  # noqa: BLE001 - raised on the pump's thread at its next collect
             self._failed = self._failed or e
             with self._cv:
@@ -279,8 +276,8 @@ class RemoteRollout:
             raise _Garbage(f"a token id outside the vocabulary [0, {self.n_tokens}): {toks}")
         if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x > 1e-3 for x in lps):
             raise _Garbage(f"a logprob that is not one: {lps}")
-        if any(v not in self.fleet.given for v in vers):
-            raise _Garbage(f"weights versions {sorted(set(vers) - self.fleet.given)} it was never given")
+        if any(v not in self.fleet.weights.given for v in vers):
+            raise _Garbage(f"weights versions {sorted(set(vers) - self.fleet.weights.given)} it was never given")
         if (s.ended and toks) or any(t in self.stops for t in toks[:-1]):
             raise _Garbage("tokens after the sample's end")
         got = s.got + len(toks)

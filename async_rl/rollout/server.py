@@ -3,13 +3,13 @@ a fleet of them (docs/fleet.md).
 
 Owns: the HTTP API (a Starlette app under uvicorn, the `fleet` extra, imported only here
 and only when serving): health and info (the fingerprint a trainer compares), weights
-updates (a `weights` file, or arrays pulled from the trainer with `transfer`, fetched off the
-event loop, checked against the engine's tree, swapped in between chunks), pause/resume, aborts, and `/v1/completions` streamed as
+updates (the body read, the version fetched off the event loop by `publication.Fetcher`,
+swapped in between chunks), pause/resume, aborts, and `/v1/completions` streamed as
 server-sent events, one event per engine chunk; checking each request (one-line 400s);
 listening, the `serving on` line, and stopping on SIGTERM/SIGINT (streams end with
 finish_reason "abort") or when the engine loop fails (exit 1). Does not own: the engine
 loop (`server_loop`), building the engine from the config (`run.build.serving_parts`),
-the weights file format (`weights`), point-to-point transfers (`transfer`).
+fetching a weights version (`publication`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 
 from async_rl import faults, signals
 from async_rl.rollout import transfer, weights
+from async_rl.rollout.publication import Fetcher
 from async_rl.rollout.server_loop import Request, ServerLoop
 from async_rl.store.remote_io import StorageError
 
@@ -122,11 +123,11 @@ class Api:
 
     def __init__(self, loop: ServerLoop, engine, like, fp: dict, *, max_new_tokens: int):
         from starlette.responses import JSONResponse
-        self.loop, self.engine, self.like, self.fp = loop, engine, like, fp
+        self.loop, self.engine, self.fp = loop, engine, fp
+        self.fetcher = Fetcher(engine, like)
         self.max_new_tokens = max_new_tokens
         self.json = JSONResponse
         self.loading = asyncio.Lock()  # one weights version loaded at a time
-        self._base: tuple[str | None, dict] = (None, {})  # LoRA: the base file read last, and its leaves
         self.held_run: str | None = None  # the session tag the weights held came with
         self.events = 0  # completion events sent (fault tests garble the n-th, `faults.garbled`)
 
@@ -169,18 +170,6 @@ class Api:
                 "capacity": self.engine.max_concurrent_decodes, "steps_per_call": self.engine.steps_per_call,
                 "paused": self.loop.paused}
 
-    def _place(self, src, base: str | None = None):
-        faults.delay("weights")  # a fault test's slow fetch (ASYNC_RL_DELAY=weights:<s>): a kill lands inside it
-        if isinstance(src, str):
-            if base is not None and self._base[0] != base:  # read once per trainer session
-                self._base = (base, weights.load_leaves(base))
-            return self.engine.load_params(weights.load(src, self.like, base=self._base[1] if base else None))
-        address = src["address"]
-        transfer.check(src["leaves"], self.like, f"weights from {address}")
-        tree = transfer.pull(address, src["uuid"], self.like, device=self.engine.mesh.devices.flat[0],
-                             seconds=src["timeout_s"])
-        return self.engine.load_params(tree)
-
     @staticmethod
     def source(body: dict):
         """A weights file's uri, or the transfer to pull (address, uuid, leaves, timeout_s)."""
@@ -217,7 +206,7 @@ class Api:
             if held is not None and version < held and run == self.held_run:
                 return self.error(409, f"version={version}: older than the weights held (version {held})")
             try:
-                params = await anyio.to_thread.run_sync(self._place, src, base)
+                params = await anyio.to_thread.run_sync(self.fetcher.fetch, src, base)
             except StorageError as e:
                 return self.error(503, f"{e}; {e.hint}")
             except transfer.TransferError as e:
