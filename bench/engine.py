@@ -93,6 +93,9 @@ def parse_args():
     ap.add_argument("--layouts", default="",
                     help="fair: the builtin engine once per KV-cache layout, side by side (comma list of "
                          f"{', '.join(LAYOUTS)}); default: the layout the engine picks on this platform")
+    ap.add_argument("--ahead", default="1",
+                    help="fair: comma list of 1 (chunk k+1 dispatched before chunk k is fetched: what the engine "
+                         "does) and/or 0 (fetched first, the loop before), the builtin engine once per value, side by side")
     ap.add_argument("--hbm-gbps", type=float, default=0.0,
                     help="roofline: HBM bandwidth in GB/s; 0 = the chip's published figure (none on CPU)")
     args = ap.parse_args()
@@ -101,6 +104,9 @@ def parse_args():
         ap.error(f"--parts: unknown {sorted(bad)} (known: fair, recompute, roofline)")
     args.backends = backends.parse(args.backend)
     args.layouts = [x for x in args.layouts.split(",") if x]
+    args.ahead = [int(x) for x in args.ahead.split(",") if x]
+    if not args.ahead or set(args.ahead) - {0, 1}:
+        ap.error(f"--ahead: {args.ahead} (a comma list of 0 and 1)")
     if set(args.layouts) - set(LAYOUTS):
         ap.error(f"--layouts: unknown {sorted(set(args.layouts) - set(LAYOUTS))} (known: {', '.join(LAYOUTS)})")
     return args
@@ -230,6 +236,12 @@ def run_static(run, params, rows, p: int, batch: int):
     return time.perf_counter() - t0, steps, useful
 
 
+def _ahead(r: BuiltinRollout, ahead: int) -> BuiltinRollout:
+    out = BuiltinRollout(r.engine, r.params, 0)
+    out.ahead = ahead
+    return out
+
+
 def run_continuous(r, prompts, samples: int, limits):
     t0 = time.perf_counter()
     out = generate_all(r, None, prompts, samples=samples, eos_id=None, max_tokens=limits,
@@ -272,7 +284,7 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
         if b == "builtin" and layouts:  # the builtin engine once per layout, built by main
             for name, r in layouts.items():
                 rollouts[f"builtin/{name}"], start_s[f"builtin/{name}"] = r, 0.0
-                labels[f"builtin/{name}"] = f"builtin engine, {name} KV cache, continuous batching (K={k})"
+                labels[f"builtin/{name}"] = f"builtin engine ({name}), continuous batching (K={k})"
         else:
             rollouts[b], start_s[b] = backends.make(b, st)
     for key, r in rollouts.items():
@@ -297,7 +309,7 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
     for c, thr in zip(comps, (1.0, 1.5)):
         for b in (b for b in rollouts if b.split("/")[0] == "builtin"):
             r = c["tps"][b] / c["static_tps"]
-            lay = f" ({b.split('/')[1]} KV cache)" if "/" in b else ""
+            lay = f" ({b.split('/')[1]})" if "/" in b else ""
             print(f"{c['name']}: engine{lay} vs static batch {r:.2f}x   target >= {thr:.1f}x: "
                   f"{'met' if r >= thr else 'NOT met'}")
         if "vllm" in rollouts:
@@ -306,7 +318,7 @@ def fair(args, st: backends.Setup, graphdef, rs, p: int, n_new: int, s: int, k: 
             print(f"{c['name']}: vllm vs builtin: {c['tps']['vllm'] / c['tps']['builtin']:.2f}x")
         first = next((b for b in rollouts if b.startswith("builtin/")), None)
         for b in (b for b in rollouts if b.startswith("builtin/") and b != first):
-            print(f"{c['name']}: {b.split('/')[1]} vs {first.split('/')[1]} KV cache: "
+            print(f"{c['name']}: {b.split('/')[1]} vs {first.split('/')[1]}: "
                   f"{c['tps'][b] / c['tps'][first]:.2f}x")
     for r in rollouts.values():
         getattr(r, "close", lambda: None)()
@@ -423,6 +435,9 @@ def main():
             e = cls(model_cfg, graphdef, vocab_size=args.vocab, slots=s, max_prompt_len=p, max_new_tokens=n_new,
                     seed=args.seed, devices=dev, steps_per_call=k, **sampling, **kw)
             layouts[name] = BuiltinRollout(e, e.load_params(params), 0)
+        if args.ahead != [1]:  # each layout (or the platform's) once per value, each with its own slots
+            layouts = {f"{name}, ahead {a}": _ahead(r, a) for name, r in (layouts or {"default": BuiltinRollout(eng, ep, 0)}).items()
+                       for a in args.ahead}
         fair(args, st, graphdef, rs, p, n_new, s, k, layouts)
     if "recompute" in parts:
         recompute(args, eng, ep, graphdef, prompts, p, n_new, s)

@@ -18,9 +18,11 @@ def test_engine_bench_runs_every_part():
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
     r = subprocess.run([sys.executable, "bench/engine.py", "--config", "configs/tiny.yaml", "--new-tokens", "16",
                         "--waves", "1", "--naive-steps", "1", "--repeats", "1", "--sequences", "8", "--samples", "2",
-                        "--hbm-gbps", "20"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                        "--hbm-gbps", "20", "--ahead", "1,0"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for line in ("equal lengths: engine vs static batch", "varied lengths: engine vs static batch",
+    for line in ("equal lengths: engine (default, ahead 1) vs static batch",
+                 "varied lengths: default, ahead 0 vs default, ahead 1: ",
                  "speedup (engine decode vs naive full recompute)", "engine decode vs HBM roofline (--hbm-gbps 20"):
         assert line in r.stdout, r.stdout[-3000:]
 

@@ -91,6 +91,8 @@ class Rates:
         if stats.env_submitted:  # multi-turn episodes: env steps asked for and recorded (cumulative)
             out["rollout/env_steps"], out["rollout/env_requested"] = stats.env_steps, stats.env_submitted
             out["rollout/env_observations_cut"] = stats.env_cut
+        if getattr(stats, "dropped", 0):  # slot-chunks spent on samples that had ended in the chunk in flight (cumulative)
+            out["rollout/dropped_slot_chunks"] = stats.dropped
         if getattr(stats, "evictions", 0):  # a paged engine: samples evicted or not admitted (cumulative)
             out["rollout/evictions"] = stats.evictions
         if getattr(stats, "moved", 0):  # a fleet or a paged engine: samples continued later or elsewhere (cumulative)

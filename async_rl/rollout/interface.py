@@ -84,6 +84,9 @@ class BuiltinRollout:
     `update_params`). Params passed in are the engine's current ones (not re-placed)."""
 
     bit_identical = True  # a sample's tokens depend only on its key and weights (run.determinism)
+    # the scheduler dispatches the next chunk before it fetches this one: each chunk is K tokens
+    # per live slot, so a sample whose budget ends in the chunk in flight is known to end there
+    ahead = 1
 
     def __init__(self, engine, params, version: int, *, deterministic: bool = False, prefill_rows: int = 32):
         self.engine, self.params, self.version = engine, params, version

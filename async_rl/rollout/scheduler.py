@@ -8,16 +8,19 @@ what a recorded token means (the source: `pump.Pump` with its ledger, `decoding.
 with its completions), the backend's slots, prefills or weights (the rollout).
 
 Ordering rules (docs/design.md, "The pump"): `Source.fill` runs between a `collect` and the
-next `step`, the one place where a source may swap weights; a slot whose sample ended in
+next `step`, the one place where a source may swap weights (a rollout with `ahead` = 1 has
+the next chunk dispatched before the previous is collected; a sample that ended in the chunk
+in flight runs one more chunk, dropped); a slot whose sample ended in
 the fetched chunk is offered to `fill` before that chunk is recorded, so no chunk is spent
 on it; a slot is freed only when its sample's last tokens are recorded, under the source's
-lock together with `Source.record`; on stop the fetched chunk is recorded first.
+lock together with `Source.record`; on stop the fetched chunk is recorded first, then any in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
@@ -88,6 +91,7 @@ class Source(Protocol):
 class SlotStats:
     busy_s: float = 0.0  # seconds inside rollout calls (start, forget, step, collect)
     calls: int = 0  # chunks collected
+    dropped: int = 0  # slot-chunks run for a sample whose end was still in flight (`ahead`), dropped
 
 
 @dataclass
@@ -111,6 +115,12 @@ class Scheduler:
         self.slots: list[Any] = [None] * rollout.capacity  # occupant per slot, None: free
         self._room_S = np.zeros(rollout.capacity, np.int64)  # tokens each slot's sample may still have
         self._ended: dict[int, Any] = {}  # slot -> its occupant that ended in the fetched, unrecorded chunk
+        # per slot: samples it was given, and the latest of them seen to end, be lost or abandoned
+        # (a chunk in flight may still run it: its part is dropped)
+        self._fills_S = np.zeros(rollout.capacity, np.int64)
+        self._over_S = np.zeros(rollout.capacity, np.int64)
+        self._tail: dict[int, tuple[int, int]] = {}  # slot -> (fills, room) of a sample refilled over while its last chunk flies
+        self._flight: deque[tuple] = deque()  # (pending, live, mask, fills) dispatched, not fetched, oldest first
 
     @property
     def idle(self) -> bool:
@@ -121,35 +131,69 @@ class Scheduler:
         """Turns of fill -> start -> dispatch chunk k+1 -> record chunk k -> fetch chunk k+1
         until `stop()` (asked at the top of each turn). After a fetch only the ends are found
         (vectorised) before the next turn refills the freed slots and dispatches; recording
-        runs while the backend computes. An exception leaves the fetched chunk unrecorded."""
+        runs while the backend computes. A rollout with `ahead` = 1 is given chunk k+2 before
+        chunk k+1 is fetched, so it computes while the host fetches, fills and starts: a slot
+        whose sample ends in the chunk in flight runs one chunk of garbage (dropped), unless its
+        budget says it ends there (then the slot is refilled before that chunk is fetched). On
+        stop every chunk in flight is fetched and recorded, oldest first. An exception leaves
+        the fetched chunk unrecorded."""
+        ahead = int(getattr(self.rollout, "ahead", 0))
+        flight = self._flight
         fetched: _Fetched | None = None
         while not stop():
             with self.lock:
                 fill = self.source.fill(self._offered(), not self.idle)
+                ending_S = self._ending_S()
                 for start, occ in zip(fill.starts, fill.occupants, strict=True):
-                    self.slots[start.slot], self._room_S[start.slot] = occ, start.budget
-            if not fill.starts and self.idle:
+                    slot = start.slot
+                    if ending_S[slot]:  # its sample's last tokens are in flight: their room is kept for them
+                        self._tail[slot] = (int(self._fills_S[slot]), int(self._room_S[slot]))
+                    self.slots[slot], self._room_S[slot] = occ, start.budget
+                    self._fills_S[slot] += 1
+            if not fill.starts and self.idle and not flight:
                 continue
             t0 = time.perf_counter()
             if fill.starts:
                 self.rollout.start(fill.starts)
             if fill.forget:
                 self.rollout.forget(fill.forget)
-            live = [None if occ is None or self._ended.get(slot) is occ else occ for slot, occ in enumerate(self.slots)]
+            live = self._live()
             mask = [occ is not None for occ in live]
-            pending = self.rollout.step(mask) if any(mask) else None
+            if any(mask):
+                flight.append((self.rollout.step(mask), live, mask, self._fills_S.copy()))
             self.stats.busy_s += time.perf_counter() - t0
             if fetched is not None:
-                self._record(fetched)  # meanwhile the backend computes `pending`
+                self._record(fetched)  # meanwhile the backend computes what is in flight
                 fetched = None
-            if pending is not None:
-                t0 = time.perf_counter()
-                fetched = self._fetch(pending, live, mask)
-                self.stats.calls += 1
-                self.source.collected(self.stats.calls)
-                self.stats.busy_s += time.perf_counter() - t0
+            if len(flight) > (ahead if any(mask) else 0):
+                fetched = self._fetch_oldest(flight)
         if fetched is not None:
             self._record(fetched)
+        while flight:
+            self._record(self._fetch_oldest(flight))
+
+    def _live(self) -> list:
+        """The occupant per slot the next chunk runs (None: not live): not one whose end was
+        seen, nor, with a chunk in flight, one whose budget ends in it."""
+        over_S = (self._over_S == self._fills_S) | self._ending_S()
+        return [None if over else occ for occ, over in zip(self.slots, over_S.tolist())]
+
+    def _ending_S(self) -> np.ndarray:
+        """Slots whose sample ends in the chunk in flight for want of room (a chunk gives every
+        live slot K tokens): not run again, and offered to `fill` before that chunk is fetched."""
+        if not self._flight:
+            return np.zeros(len(self.slots), bool)
+        _, _, mask, fills_S = self._flight[-1]
+        return (np.asarray(mask) & (fills_S == self._fills_S) & (self._over_S != self._fills_S)
+                & (self._room_S <= self.rollout.steps_per_call))
+
+    def _fetch_oldest(self, flight) -> _Fetched:
+        t0 = time.perf_counter()
+        out = self._fetch(*flight.popleft())
+        self.stats.calls += 1
+        self.source.collected(self.stats.calls)
+        self.stats.busy_s += time.perf_counter() - t0
+        return out
 
     def abandon(self, slots: Sequence[int]) -> None:
         """Gives up samples before their end (their source abandoned them: an aborted request):
@@ -159,6 +203,7 @@ class Scheduler:
         self.rollout.stop(list(slots))
         for slot in slots:
             self.slots[slot] = None
+            self._over_S[slot] = self._fills_S[slot]
 
     def _offered(self) -> list[int]:
         """The free slots offered to the source: those the rollout has room for while samples
@@ -168,24 +213,37 @@ class Scheduler:
         return free if room is None or self.idle else free[:room(free)]
 
     def _free(self) -> list[int]:
-        # a slot whose sample ended in the fetched chunk is refilled before that chunk is recorded
-        return [slot for slot, occ in enumerate(self.slots) if occ is None or self._ended.get(slot) is occ]
+        # a slot whose sample ended in the fetched chunk is refilled before that chunk is recorded,
+        # one whose sample's budget ends in the chunk in flight before that chunk is fetched
+        ending_S = self._ending_S()
+        return [slot for slot, occ in enumerate(self.slots)
+                if occ is None or self._ended.get(slot) is occ or ending_S[slot]]
 
-    def _fetch(self, pending, live: list, mask: list[bool]) -> _Fetched:
-        """Waits for a chunk and finds where each live sample ends in it (nothing recorded)."""
+    def _fetch(self, pending, live: list, mask: list[bool], fills_S: np.ndarray | None = None) -> _Fetched:
+        """Waits for a chunk and finds where each live sample ends in it (nothing recorded). A
+        sample whose end (or loss) an earlier chunk showed has no part in it."""
         chunk = self.rollout.collect(pending)
-        mask_S = np.asarray(mask)
+        fills_S = self._fills_S if fills_S is None else fills_S
+        mask_S = np.asarray(mask) & (self._over_S != fills_S)
+        self.stats.dropped += int(np.count_nonzero(mask)) - int(np.count_nonzero(mask_S))
+        live = [occ if m else None for occ, m in zip(live, mask_S.tolist())]
         if chunk.lost:  # every earlier chunk is recorded: the lost samples go back whole
-            self._release(chunk.lost, live, mask_S)
-        take_S, ended_S = chunk_ends(chunk.tokens_KxS, np.where(mask_S, self._room_S, 0), self.stops,
-                                     chunk.count_S)
-        self._room_S -= np.where(mask_S, take_S, 0)
+            self._release(chunk.lost, live, mask_S, fills_S)
+        room_S = self._room_S.copy()
+        for slot, (fills, room) in list(self._tail.items()):  # a sample refilled over before its last chunk
+            if fills_S[slot] == fills:
+                room_S[slot] = room
+                del self._tail[slot]
+        take_S, ended_S = chunk_ends(chunk.tokens_KxS, np.where(mask_S, room_S, 0), self.stops, chunk.count_S)
+        self._room_S -= np.where(mask_S & (fills_S == self._fills_S), take_S, 0)
         self._ended = {slot: live[slot] for slot in np.flatnonzero(ended_S & mask_S).tolist()}
+        self._over_S = np.where(ended_S & mask_S, fills_S, self._over_S)
         return _Fetched(chunk, live, take_S, ended_S)
 
-    def _release(self, lost, live: list, mask_S: np.ndarray) -> None:
+    def _release(self, lost, live: list, mask_S: np.ndarray, fills_S: np.ndarray) -> None:
         gone = [slot for slot in lost if live[slot] is not None]
         mask_S[gone] = False
+        self._over_S[gone] = fills_S[gone]
         with self.lock:
             self.source.release([live[slot] for slot in gone])
             for slot in gone:

@@ -14,6 +14,7 @@ from async_rl.config import ModelConfig
 from async_rl.model.transformer import Transformer, layout
 from async_rl.rollout.decoding import generate_all
 from async_rl.rollout.engine import Engine
+from async_rl.rollout.interface import BuiltinRollout
 from async_rl.rollout.sampling import nucleus_V, sample_token
 
 V, P, N, EOS = 40, 8, 8, 2
@@ -296,7 +297,9 @@ def test_no_forward_pass_after_every_slot_s_last_column(model, prompts, k, layou
 
 def test_generate_all_in_chunks_equals_one_token_per_call(model, prompts, engine):
     """K tokens per call, ends found per chunk, freed slots refilled: the same completions as
-    one token per call, with stop tokens and per-sample length caps both ending samples."""
+    one token per call, with stop tokens and per-sample length caps both ending samples; and
+    the same again with each chunk fetched before the next is dispatched (`ahead` = 0: no
+    sample runs a chunk past its end)."""
     graphdef, params = model
     one = engine(temperature=1.0, slots=3)
     many = Engine(CFG, graphdef, vocab_size=V, slots=3, max_prompt_len=P, max_new_tokens=N, temperature=1.0,
@@ -305,11 +308,16 @@ def test_generate_all_in_chunks_equals_one_token_per_call(model, prompts, engine
     for stop in (EOS, (EOS, 5, 9)):
         a = generate_all(one, one.load_params(params), prompts, samples=2, eos_id=stop, max_tokens=caps)
         b = generate_all(many, many.load_params(params), prompts, samples=2, eos_id=stop, max_tokens=caps)
+        fetched_first = BuiltinRollout(many, many.load_params(params), 0, prefill_rows=1)
+        fetched_first.ahead = 0
+        c = generate_all(fetched_first, None, prompts, samples=2, eos_id=stop, max_tokens=caps, max_new_tokens=N)
         stops = {stop} if isinstance(stop, int) else set(stop)
         for i in range(len(prompts)):
             for s in range(2):
                 np.testing.assert_array_equal(a[i][s].tokens, b[i][s].tokens)
                 np.testing.assert_allclose(a[i][s].logprobs, b[i][s].logprobs, atol=1e-6)
+                np.testing.assert_array_equal(c[i][s].tokens, b[i][s].tokens)
+                np.testing.assert_array_equal(c[i][s].logprobs, b[i][s].logprobs)
                 n = len(b[i][s].tokens)
                 assert n <= min(caps[i][s], N)
                 assert n == min(caps[i][s], N) or b[i][s].tokens[-1] in stops

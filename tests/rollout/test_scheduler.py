@@ -177,3 +177,63 @@ def test_lost_slots_continue_elsewhere_from_their_recorded_tokens_and_short_chun
     for i in range(12):
         for s in range(2):
             assert out[i][s].tokens.tolist() == expected(10 + i, caps[i][s]), (i, s)
+
+
+class AheadRollout(HostRollout):
+    """`HostRollout` that takes the next chunk before the previous one is fetched (`ahead`):
+    a live slot may hold a sample that ended in the chunk in flight (its tokens are garbage,
+    -7), never one whose end was fetched or whose budget ended before."""
+
+    ahead = 1
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.garbage_rows = 0  # slot-chunks run for a sample already ended
+        self.uncollected: list[set] = []  # per chunk dispatched and not collected: slots it gave tokens
+        self.early_starts = 0  # starts into a slot whose sample's last chunk was not collected yet
+
+    def start(self, starts) -> None:
+        self.early_starts += sum(any(s.slot in c for c in self.uncollected) for s in starts)
+        super().start(starts)
+
+    def step(self, live):
+        self.log.append(("step", [i for i, x in enumerate(live) if x]))
+        for slot in list(self.rows):
+            if not live[slot]:
+                del self.rows[slot]
+        toks = np.full((self.steps_per_call, self.capacity), -1, np.int32)
+        for slot, row in self.rows.items():
+            assert row[1] < row[2], f"slot {slot}: run again after its budget ended"
+            if self._ended(slot):
+                self.garbage_rows += 1
+                toks[:, slot] = -7
+                continue
+            for k in range(self.steps_per_call):
+                row[1] += 1
+                toks[k, slot] = STOP if row[1] == stop_at(row[0]) else 100 + row[0]
+        self.uncollected.append({slot for slot, x in enumerate(live) if x and (toks[:, slot] != -7).any()})
+        return Chunk(toks, -np.abs(toks).astype(np.float32), self.version)
+
+    def collect(self, pending) -> Chunk:
+        self.log.append(("collect",))
+        self.uncollected.pop(0)
+        return pending
+
+
+def test_with_a_chunk_dispatched_ahead_every_sample_gets_its_tokens_and_garbage_is_dropped():
+    log: list = []
+    caps = np.random.RandomState(1).randint(1, 12, (12, 2)).tolist()
+    req = Checked([np.ones(2, np.int32)] * 12, samples=2, limits=caps, ordinals=list(range(30, 42)), log=log)
+    rollout = AheadRollout(3, 4, log)
+    out = req.run(rollout, (STOP,))
+    for i in range(12):
+        for s in range(2):
+            assert out[i][s].tokens.tolist() == expected(30 + i, caps[i][s])
+    assert rollout.garbage_rows > 0, "no sample ended by its stop token inside a chunk in flight"
+    assert req.sched.stats.dropped == rollout.garbage_rows
+    assert rollout.early_starts > 0, "no slot whose sample's budget ended in flight was refilled before its fetch"
+    names = [e[0] for e in log]
+    steps = [i for i, name in enumerate(names) if name == "step"]
+    # the next chunk is dispatched before the previous one is collected
+    assert any(names[i + 1:].index("collect") > names[i + 1:].index("step") for i in steps[:-1] if "step" in names[i + 1:])
+    assert names.count("step") == names.count("collect")
