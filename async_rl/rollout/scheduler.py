@@ -219,11 +219,10 @@ class Scheduler:
         return [slot for slot, occ in enumerate(self.slots)
                 if occ is None or self._ended.get(slot) is occ or ending_S[slot]]
 
-    def _fetch(self, pending, live: list, mask: list[bool], fills_S: np.ndarray | None = None) -> _Fetched:
+    def _fetch(self, pending, live: list, mask: list[bool], fills_S: np.ndarray) -> _Fetched:
         """Waits for a chunk and finds where each live sample ends in it (nothing recorded). A
         sample whose end (or loss) an earlier chunk showed has no part in it."""
         chunk = self.rollout.collect(pending)
-        fills_S = self._fills_S if fills_S is None else fills_S
         mask_S = np.asarray(mask) & (self._over_S != fills_S)
         self.stats.dropped += int(np.count_nonzero(mask)) - int(np.count_nonzero(mask_S))
         live = [occ if m else None for occ, m in zip(live, mask_S.tolist())]
