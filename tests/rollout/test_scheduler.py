@@ -49,10 +49,15 @@ class HostRollout:
                 del self.rows[slot]
         toks = np.full((self.steps_per_call, self.capacity), -1, np.int32)
         for slot, row in self.rows.items():
-            for k in range(self.steps_per_call):
-                row[1] += 1
-                toks[k, slot] = STOP if row[1] == stop_at(row[0]) else 100 + row[0]
+            self._draw(toks, slot, row, self.steps_per_call)
         return Chunk(toks, -np.abs(toks).astype(np.float32), self.version)
+
+    @staticmethod
+    def _draw(toks, slot: int, row: list, n: int) -> None:
+        """The row's next `n` tokens into column `slot` of `toks`."""
+        for k in range(n):
+            row[1] += 1
+            toks[k, slot] = STOP if row[1] == stop_at(row[0]) else 100 + row[0]
 
     def collect(self, pending) -> Chunk:
         self.log.append(("collect",))
@@ -160,9 +165,7 @@ class LossyRollout(HostRollout):
                 del self.rows[slot]
                 continue
             count[slot] = self.rs.randint(0, self.steps_per_call + 1)
-            for k in range(count[slot]):
-                row[1] += 1
-                toks[k, slot] = STOP if row[1] == stop_at(row[0]) else 100 + row[0]
+            self._draw(toks, slot, row, count[slot])
         self.lost_n += len(lost)
         return Chunk(toks, -np.abs(toks).astype(np.float32), self.version, count_S=count, lost=tuple(lost))
 
@@ -208,16 +211,13 @@ class AheadRollout(HostRollout):
                 self.garbage_rows += 1
                 toks[:, slot] = -7
                 continue
-            for k in range(self.steps_per_call):
-                row[1] += 1
-                toks[k, slot] = STOP if row[1] == stop_at(row[0]) else 100 + row[0]
+            self._draw(toks, slot, row, self.steps_per_call)
         self.uncollected.append({slot for slot, x in enumerate(live) if x and (toks[:, slot] != -7).any()})
         return Chunk(toks, -np.abs(toks).astype(np.float32), self.version)
 
     def collect(self, pending) -> Chunk:
-        self.log.append(("collect",))
         self.uncollected.pop(0)
-        return pending
+        return super().collect(pending)
 
 
 def test_with_a_chunk_dispatched_ahead_every_sample_gets_its_tokens_and_garbage_is_dropped():
