@@ -72,7 +72,6 @@ class Fleet:
         # the previous trainer session's tag: its requests still on a server are aborted at join
         self.run_tag = run_tag
         self.fence = self._take_session(run_tag) if run_tag else None
-        self.lora = cfg.learner.lora_rank > 0
         self._file_said = ""
         self._waiting_said = 0.0
         self.closing = False  # the trainer is closing the fleet: its calls end, no server is down for it
@@ -197,7 +196,7 @@ class Fleet:
         e, hf_path = self.cfg.engine, self.cfg.model.hf_path
         why = ("run.determinism: vLLM's tokens are not bit-identical to the built-in engine's" if self.cfg.run.determinism
                else "a LoRA run's adapters are read from run.dir by a vLLM server: it must be a local folder they share"
-               if self.lora and storage.is_remote(self.cfg.run.dir)
+               if self.weights.lora and storage.is_remote(self.cfg.run.dir)
                else "engine.weights_transport=jax reaches async-rl serve servers only" if self.weights.transport == "jax"
                else "model.hf_path is not set (the checkpoint a vLLM server serves)" if not hf_path else None)
         if why is not None:
@@ -211,7 +210,7 @@ class Fleet:
             return f"--logprobs-mode is {info['logprobs_mode']}, not processed_logprobs"
         if info["max_model_len"] < (need := e.max_prompt_len + self.cfg.rollout.max_new_tokens):
             return f"--max-model-len {info['max_model_len']} < {need} (engine.max_prompt_len + rollout.max_new_tokens)"
-        if self.lora and (why := _lora_refusal(info.get("lora"), self.cfg.learner.lora_rank)) is not None:
+        if self.weights.lora and (why := _lora_refusal(info.get("lora"), self.cfg.learner.lora_rank)) is not None:
             return why
         s.capacity = int(info["capacity"])
         return None
