@@ -429,6 +429,11 @@ class Config:
             mlp = [n for n in LORA_GROUPS["mlp"] if n in self.learner.lora_projections()]
             _check(not mlp, "learner.lora_targets", self.learner.lora_targets, "MoE blocks take no adapters on "
                    f"their experts ({', '.join(mlp)}); set learner.lora_targets=attention")
+        if self.mesh.expert > 1 and (self.model.n_layers or not self.model.hf_path):  # an HF model once read
+            _check(self.model.moe, "mesh.expert", self.mesh.expert,
+                   "needs a mixture-of-experts model (model.n_experts > 0): a dense model has no experts to split")
+            _check(self.model.n_experts % self.mesh.expert == 0, "mesh.expert", self.mesh.expert,
+                   f"must divide model.n_experts ({self.model.n_experts})")
         if self.learner.routing_replay:
             _check(self.model.moe or (bool(self.model.hf_path) and not self.model.n_layers), "learner.routing_replay",
                    True, "needs a mixture-of-experts model (model.n_experts > 0): a dense model has no routes")

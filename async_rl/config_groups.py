@@ -37,12 +37,14 @@ class MeshConfig:
     data: int = -1  # data-parallel axis size; -1 = all learner devices left over
     fsdp: int = 1  # parameter/optimizer sharding axis size
     tensor: int = 1  # tensor-parallel axis size
+    expert: int = 1  # expert-parallel axis size (MoE): each layer's experts split over it, the batch rows too
     engine_devices: int = 0  # devices given to the engine alone; 0 = share the learner's
 
     def __post_init__(self):
         _check(self.data == -1 or self.data > 0, "mesh.data", self.data, "must be -1 or > 0")
         _check(self.fsdp > 0, "mesh.fsdp", self.fsdp, "must be > 0")
         _check(self.tensor > 0, "mesh.tensor", self.tensor, "must be > 0")
+        _check(self.expert > 0, "mesh.expert", self.expert, "must be > 0")
         _check(self.engine_devices >= 0, "mesh.engine_devices", self.engine_devices, "must be >= 0")
 
 

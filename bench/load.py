@@ -113,7 +113,7 @@ def measure(path: str, mode: str, param_dtype: str) -> dict:
 
     mcfg = hf.model_config_from_hf(path, ModelConfig(param_dtype=param_dtype, dtype=param_dtype))
     _, aparams = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, mcfg.vocab_size, rngs=nnx.Rngs(0))), nnx.Param)
-    mesh = sharding.build_mesh(jax.local_devices(), (jax.local_device_count(), 1, 1), sharding.AXES)
+    mesh = sharding.build_mesh(jax.local_devices(), (jax.local_device_count(), 1, 1, 1), sharding.AXES)
     shardings = sharding.param_shardings(aparams, mesh)
     jax.block_until_ready(jax.device_put(np.zeros(4), jax.local_devices()[0]))  # backend up before the baseline
     mem = PeakRSS()

@@ -93,8 +93,8 @@ def tpu_cost(a, block):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     dev = topologies.get_topology_desc(platform="tpu", topology_name=a.topology).devices[:1]
-    mesh = sharding.build_mesh(list(dev), (1, 1, 1), sharding.AXES)
-    spec = attention.resolve("auto", "tpu", "bfloat16", mesh, ("data", "fsdp"), "tensor")
+    mesh = sharding.build_mesh(list(dev), (1, 1, 1, 1), sharding.AXES)
+    spec = attention.resolve("auto", "tpu", "bfloat16", mesh, sharding.BATCH_AXES, "tensor")
     fn, params = step_fn(block, spec)
     put = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
     c = fn.lower(jax.tree.map(put, params), put(jnp.zeros((a.tokens, a.d_model), jnp.bfloat16))).compile()

@@ -230,10 +230,10 @@ class Learner:
         per_update = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // lc.minibatches
         if lc.minibatches > 1 and per_update % shards:
             raise ConfigError(f"learner.minibatches={lc.minibatches}: {per_update} rows per update do not split "
-                              f"over the {shards} batch shards (mesh data x fsdp)")
+                              f"over the {shards} batch shards (mesh data x fsdp x expert)")
         if lc.micro_batch_rows % shards:
             raise ConfigError(f"learner.micro_batch_rows={lc.micro_batch_rows}: must be a multiple of the {shards} "
-                              "batch shards (mesh data x fsdp)")
+                              "batch shards (mesh data x fsdp x expert)")
 
     def _batch_shardings(self):
         shapes = {"tokens_BxT": 2, "positions_BxT": 2, "valid_BxT": 2, "completion_BxN": 2,

@@ -46,9 +46,12 @@ def grouped(x_MxK, w_GxKxN, sizes_G, impl: str = "xla", interpret: bool = False)
         return jax.lax.ragged_dot(x_MxK, w_GxKxN, sizes_G)
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
     tm = min(128, -(-m // 8) * 8)
-    x = jnp.pad(x_MxK, ((0, -m % tm), (0, 0)))  # rows past the groups' sum are neither read nor kept
+    # gmm leaves rows past the groups' sum unwritten (forward and backward): zeros in both ways
+    held = (jnp.arange(m) < sizes_G.sum())[:, None]
+    x = jnp.pad(jnp.where(held, x_MxK, 0), ((0, -m % tm), (0, 0)))
     tiling = (tm, min(128, k), min(128, n))
-    return megablox.gmm(x, w_GxKxN.astype(x.dtype), sizes_G, x.dtype, tiling, None, None, False, interpret)[:m]
+    out = megablox.gmm(x, w_GxKxN.astype(x.dtype), sizes_G, x.dtype, tiling, None, None, False, interpret)[:m]
+    return jnp.where(held, out, 0)
 
 
 def _param(rngs: nnx.Rngs, stack: int, shape: tuple, axes: tuple, std: float, dtype) -> nnx.Param:
@@ -84,19 +87,23 @@ class MoE(nnx.Module):
 
     def experts(self, x_NxD, w_NxK, e_NxK, spec=None):
         """sum_j w[n, j] * expert_{e[n, j]}(x[n]) for every token n, dropless. `spec`: the
-        learner's `attention.Spec`; on a TPU each device runs megablox on its own rows (a Pallas
-        kernel is not partitioned by XLA), the experts' F axis split over the head axis."""
+        learner's `attention.Spec`. Inside a shard_map when the mesh has an expert axis (each
+        device computes its own experts for the rows of its expert group, `_experts`) or on a
+        TPU (megablox, a Pallas kernel, is not partitioned by XLA); the experts' F axis split
+        over the head axis there."""
         ws = tuple(p[...].astype(self.dtype) for p in (self.experts_gate, self.experts_up, self.experts_down))
+        mesh = spec.mesh if spec is not None else None
         tpu = spec is not None and spec.platform == "tpu"
-        fn = functools.partial(_experts, n_experts=self.n_experts, impl="megablox" if tpu else "xla")
-        mesh = spec.mesh if tpu else None
-        if mesh is None or mesh.size == 1:
+        ep = "expert" if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
+        fn = functools.partial(_experts, impl="megablox" if tpu else "xla")
+        if mesh is None or mesh.size == 1 or not (tpu or ep):
             return fn(x_NxD, w_NxK, e_NxK, *ws)
         nb = math.prod(mesh.shape[a] for a in spec.batch_axes)
         rows = P(spec.batch_axes if spec.batch_axes and x_NxD.shape[0] % nb == 0 else None, None)
         t = spec.head_axis if spec.head_axis and ws[0].shape[-1] % mesh.shape[spec.head_axis] == 0 else None
-        f = jax.shard_map(functools.partial(fn, tensor_axis=t), mesh=mesh,
-                          in_specs=(rows, rows, rows, P(None, None, t), P(None, None, t), P(None, t, None)),
+        gather = ep is not None and ep in (rows[0] or ())
+        f = jax.shard_map(functools.partial(fn, tensor_axis=t, expert_axis=ep, gather=gather), mesh=mesh,
+                          in_specs=(rows, rows, rows, P(ep, None, t), P(ep, None, t), P(ep, t, None)),
                           out_specs=rows, check_vma=False)
         return f(x_NxD, w_NxK, e_NxK, *ws)
 
@@ -116,22 +123,36 @@ class MoE(nnx.Module):
         return y if valid is None else (y, router)
 
 
-def _experts(x_NxD, w_NxK, e_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, n_experts: int, impl: str,
-             tensor_axis: str | None = None):
+def _experts(x_NxD, w_NxK, e_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, impl: str,
+             tensor_axis: str | None = None, expert_axis: str | None = None, gather: bool = False):
     """`MoE.experts` on arrays: the (token, j) pairs sorted by expert, three grouped matmuls,
-    the weighted outputs added back per token (summed over `tensor_axis` inside a shard_map)."""
+    the weighted outputs added back per token. Inside a shard_map: summed over `tensor_axis`;
+    with `expert_axis` the weights are this device's run of experts, so its pairs for other
+    experts are sorted past every group and their outputs zeroed, and the rows of the expert
+    group (`gather`: gathered here, else every device's already) are summed back over it."""
+    el = gate_ExDxF.shape[0]  # the experts held here
+    if expert_axis and gather:
+        x_NxD, w_NxK, e_NxK = (jax.lax.all_gather(a, expert_axis, tiled=True) for a in (x_NxD, w_NxK, e_NxK))
+    local = e_NxK - (jax.lax.axis_index(expert_axis) * el if expert_axis else 0)
+    mine = (local >= 0) & (local < el)
     n, k = e_NxK.shape
     dt = gate_ExDxF.dtype
-    flat_e = e_NxK.reshape(-1)
+    flat_e = jnp.where(mine, local, el).reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # pair order grouped by expert; pair p is (token p // k, choice p % k)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    ends = jnp.searchsorted(flat_e[order], jnp.arange(1, n_experts + 1), side="left")
+    ends = jnp.searchsorted(flat_e[order], jnp.arange(1, el + 1), side="left")
     sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
     xs = _dispatch(x_NxD.astype(dt), order, inverse, k)
     g, u = grouped(xs, gate_ExDxF, sizes, impl), grouped(xs, up_ExDxF, sizes, impl)
     y_NxKxD = _rows(grouped(jax.nn.silu(g) * u, down_ExFxD, sizes, impl), inverse, order).reshape(n, k, -1)
+    y_NxKxD = jnp.where(mine[..., None], y_NxKxD, 0)  # rows past the groups: zeros (XLA) or unwritten (megablox)
     out = (y_NxKxD * w_NxK[..., None].astype(dt)).sum(1)
-    return out if tensor_axis is None else jax.lax.psum(out, tensor_axis)
+    if tensor_axis:
+        out = jax.lax.psum(out, tensor_axis)
+    if expert_axis:
+        out = (jax.lax.psum_scatter(out, expert_axis, scatter_dimension=0, tiled=True) if gather
+               else jax.lax.psum(out, expert_axis))
+    return out
 
 
 # The pairs move by gathers both ways, gradients included: a gather's own gradient is a

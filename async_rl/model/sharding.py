@@ -3,7 +3,7 @@
 Owns: joining a multi-process job (`init_distributed`) and small cross-process agreements
 (`agree`), splitting the devices between learner and engine (`mesh.engine_devices`), every
 device mesh's layout (`build_mesh`: topology-aware on TPU, the run's and `async-rl plan`'s alike),
-the learner Mesh with axes (data, fsdp, tensor), the rules that turn a parameter's logical
+the learner Mesh with axes (data, fsdp, expert, tensor), the rules that turn a parameter's logical
 `axes` metadata into a PartitionSpec, optimizer-state shardings, the batch sharding, and
 host-local batches -> global arrays. Does not own: what the arrays mean (model,
 learner) or moving weights into the engine (engine.load_params)."""
@@ -24,10 +24,13 @@ from jax.sharding import PartitionSpec as P
 from async_rl.config import ConfigError, MeshConfig
 from async_rl.errors import RunFailure
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "expert", "tensor")
+# an expert-parallel device holds some experts and computes every block but the experts' on its
+# own rows, so the expert axis splits the batch like a data axis
+BATCH_AXES = ("data", "fsdp", "expert")
 # logical axis name (model Param metadata `axes`) -> mesh axis
-RULES = {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
+RULES = {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+         "experts": "expert"}
 
 
 @dataclass(frozen=True)
@@ -134,13 +137,13 @@ def split_devices(devices: list, cfg: MeshConfig, process: int | None = None) ->
 
 
 def learner_mesh(devices: list, cfg: MeshConfig) -> Mesh:
-    """The learner mesh (data, fsdp, tensor) over `devices`, sized by mesh.*."""
-    n, rest = len(devices), cfg.fsdp * cfg.tensor
+    """The learner mesh (data, fsdp, expert, tensor) over `devices`, sized by mesh.*."""
+    n, rest = len(devices), cfg.fsdp * cfg.expert * cfg.tensor
     data = cfg.data if cfg.data != -1 else n // rest
     if data < 1 or data * rest != n:
-        raise ConfigError(f"mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.tensor={cfg.tensor}: "
-                          f"product must equal the {n} learner devices")
-    return build_mesh(devices, (data, cfg.fsdp, cfg.tensor), AXES)
+        raise ConfigError(f"mesh.data={cfg.data} mesh.fsdp={cfg.fsdp} mesh.expert={cfg.expert} "
+                          f"mesh.tensor={cfg.tensor}: product must equal the {n} learner devices")
+    return build_mesh(devices, (data, cfg.fsdp, cfg.expert, cfg.tensor), AXES)
 
 
 def build_mesh(devices: list, shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:

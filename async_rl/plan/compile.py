@@ -475,11 +475,11 @@ def suggest(cfg: C.Config, part: Part, chip: Chip, mesh: Mesh) -> list[str]:
             while rows % want:
                 want -= shards
             out.append(f"learner.micro_batch_rows={want}")
-    if state > chip.hbm_bytes / 3:
+    if state > chip.hbm_bytes / 3 and mesh.shape["data"] > 1:
         out.append(f"mesh.fsdp={mesh.shape['fsdp'] * mesh.shape['data']} mesh.data=1")
         if cfg.model.param_dtype == "float32":
             out.append("model.param_dtype=bfloat16")
-    if lc.micro_batch_rows and lc.micro_batch_rows > shards:
+    if lc.micro_batch_rows and lc.micro_batch_rows > shards and f"learner.micro_batch_rows={shards}" not in out:
         out.append(f"learner.micro_batch_rows={shards}")
     return out
 
@@ -494,7 +494,7 @@ def plan(cfg: C.Config, topology_name: str, *, config_name: str = "", hbm_gib: f
     if rows % sharding.batch_shards(mesh):
         raise C.ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: prompts_per_step x "
                             f"samples_per_prompt ({rows}) must divide evenly over the {sharding.batch_shards(mesh)} "
-                            "data-parallel shards (mesh data x fsdp)")
+                            "data-parallel shards (mesh data x fsdp x expert)")
     vocab = cfg.model.vocab_size
     if not vocab:
         raise C.ConfigError("model.vocab_size=0: plan needs the vocabulary size (set it, or model.hf_path)")
@@ -548,6 +548,9 @@ def format_report(rep: Report) -> str:
                   f"  at {rep.chip.peak_flops / 1e12:.0f} TFLOP/s and {rep.chip.hbm_bandwidth / 1e9:,.0f} GB/s "
                   f"(published): compute {lp.flops / rep.chip.peak_flops:.2f} s, memory "
                   f"{lp.bytes_accessed / rep.chip.hbm_bandwidth:.2f} s"]
+    if lp.flops and rep.mesh.get("expert", 1) > 1 and lp.experts.startswith("megablox"):
+        lines.append(f"  (megablox states its cost for every row its expert group gathers: up to mesh.expert = "
+                     f"{rep.mesh['expert']} x the pairs it computes, so these are upper bounds)")
     if est["est_step_s"]:
         lines.append(f"ESTIMATE (roofline, no collectives): step {est['est_step_s']:.2f} s, {est['bound']}-bound, "
                      f"MFU bound {est['est_mfu']:.0%}")

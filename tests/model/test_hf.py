@@ -207,7 +207,7 @@ def moe_reference(hc: dict, w: dict, p: str, h, act):
 
 
 def mesh_2x2() -> Mesh:
-    return Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 2), sharding.AXES)
+    return Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 1, 2), sharding.AXES)
 
 
 def load(path, mesh=None, param_dtype="float32"):
@@ -270,7 +270,7 @@ def test_save_load_round_trip_sharded_files(tmp_path):
     assert all(np.array_equal(written[k], w[k]) for k in w)
     assert hf.model_config_from_hf(out, ModelConfig()) == mcfg
     # back in, on another mesh layout: bit-identical
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(4, 1, 1), sharding.AXES)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(4, 1, 1, 1), sharding.AXES)
     _, again, _, _ = load(out, mesh)
     a, b = flat(params), flat(again)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -77,7 +77,7 @@ def test_a_tpu_subset_with_a_hole_keeps_the_order_given():
 
 def test_other_devices_keep_the_order_given():
     devs = jax.devices()[:4][::-1]
-    assert list(sharding.build_mesh(devs, (2, 1, 2), sharding.AXES).devices.flat) == devs
+    assert list(sharding.build_mesh(devs, (2, 1, 1, 2), sharding.AXES).devices.flat) == devs
     with pytest.raises(ValueError, match="cannot form a mesh"):
         sharding.layout(devs, (3, 1, 1))
 

@@ -57,7 +57,7 @@ def load(path):
     mcfg = hf.model_config_from_hf(path, ModelConfig(param_dtype="float32"))
     abstract = nnx.eval_shape(lambda: Transformer(mcfg, mcfg.vocab_size, rngs=nnx.Rngs(0)))
     graphdef, aparams = nnx.split(abstract, nnx.Param)
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.AXES)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), sharding.AXES)
     return mcfg, hf.load_params(path, aparams, sharding.param_shardings(aparams, mesh)), graphdef
 
 

@@ -36,7 +36,7 @@ def test_memory_is_the_compiled_steps_and_state_is_split_over_fsdp():
     assert n_params * 4 / 4 <= lp.params_bytes <= n_params * 4 / 4 * 1.1
     assert lp.opt_bytes == pytest.approx(2 * lp.params_bytes, rel=0.01)  # Adam's two moments
     assert lp.fits and lp.total_bytes >= lp.params_bytes + lp.opt_bytes + lp.temp_bytes
-    assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert rep.mesh == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
 
 
 def ids(mesh) -> list:
@@ -51,7 +51,7 @@ def test_plan_compiles_the_runs_meshes_on_forced_host_devices():
     run = sharding.make_devices(cfg.mesh)
     assert ids(rep.parts["learner"].mesh) == ids(run.learner) == [0, 1]
     assert ids(rep.parts["engine"].mesh) == ids(engine_mesh(run.engine, 2)) == [2, 3]
-    assert rep.mesh == {"data": 1, "fsdp": 2, "tensor": 1} and rep.as_json()["engine_mesh"] == {"data": 1, "tensor": 2}
+    assert rep.mesh == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1} and rep.as_json()["engine_mesh"] == {"data": 1, "tensor": 2}
 
 
 def test_model_flops_and_parameters_are_the_models():
@@ -92,6 +92,8 @@ def test_not_fitting_exits_1_and_names_knobs(capsys):
                      "--no-cost", "--no-engine", *BASE])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out and "learner.remat=block" in out
+    knobs = out.split("try: ")[1].split()
+    assert len(knobs) == len(set(knobs)) and "mesh.data=1" not in knobs  # fsdp already spans every chip
 
 
 def test_json_has_the_fields_and_estimates(capsys):
@@ -268,13 +270,18 @@ def test_tpu_plan_while_a_train_runs(tmp_path):
                                      "model.global_every=3", "model.rope_local_theta=10000",
                                      "model.query_pre_attn_scalar=20"],
                                     ["model.qk_norm=true", "model.n_experts=4", "model.n_experts_per_token=2",
-                                     "model.d_ff_expert=32"]], ids=["qwen3", "gemma3", "qwen3_moe"])
+                                     "model.d_ff_expert=32"],
+                                    ["model.qk_norm=true", "model.n_experts=4", "model.n_experts_per_token=2",
+                                     "model.d_ff_expert=32", "mesh.fsdp=2", "mesh.expert=2"]],
+                         ids=["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_expert_parallel"])
 def test_plan_compiles_qwen3_and_gemma3_steps(family):
     """The learner step and the engine's decode of each new family compile on a 4-way FSDP
-    mesh (per-layer window choice inside the scan, q/k norm scales replicated)."""
-    rep = PL.plan(cfg_of(*family), "cpu:4", cost=False)
+    mesh (per-layer window choice inside the scan, q/k norm scales replicated), and an MoE
+    model's on fsdp 2 x expert 2."""
+    cfg = cfg_of(*family)
+    rep = PL.plan(cfg, "cpu:4", cost=False)
     assert rep.parts["learner"].fits and rep.parts["engine"].fits
-    assert rep.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert rep.mesh == {"data": 1, "fsdp": 4 // cfg.mesh.expert, "expert": cfg.mesh.expert, "tensor": 1}
 
 
 @pytest.mark.parametrize("path, n_params", [("configs/plan/qwen3-30b-a3b.yaml", 30_532_122_624),
@@ -308,6 +315,25 @@ def test_tpu_moe_experts_run_megablox_on_each_device_and_are_counted_by_formula(
     assert lp.attention.startswith("splash")  # its kernels by formula too
     assert lp.kernel_flops == pytest.approx((flops.expert_kernel_flops(cfg) + flops.kernel_flops(cfg, backward=7)) / 4)
     assert lp.flops - lp.kernel_flops < 3 * lp.model_flops  # the expanded gradient alone would be 8x the experts'
+
+
+def test_tpu_expert_parallel_plan_holds_a_share_of_the_experts_and_computes_the_same_work():
+    # Compiled for a TPU (needs libtpu): megablox inside the expert axis's shard_map
+    try:
+        PL.topology("v5e:2x2")
+    except C.ConfigError as e:
+        pytest.skip(str(e))
+    moe = ("model.qk_norm=true", "model.n_experts=32", "model.n_experts_per_token=2", "model.d_ff_expert=256",
+           "model.d_model=128", "model.dtype=bfloat16")
+    fsdp, ep = (PL.plan(cfg_of(*moe, *mesh), "v5e:2x2", engine=False).parts["learner"]
+                for mesh in (["mesh.fsdp=4"], ["mesh.fsdp=2", "mesh.expert=2"]))
+    assert ep.kernel_flops == pytest.approx(fsdp.kernel_flops)  # the same pairs, split another way
+    m = cfg_of(*moe).model
+    experts = 3 * m.n_layers * m.n_experts * m.d_model * m.d_ff_expert * 4  # fp32 master weights
+    # experts split 4 ways either way; the rest over fsdp only: 2 ways with the expert axis
+    rest = flops.param_count(m, 64) * 4 - experts
+    assert ep.params_bytes == pytest.approx(experts / 4 + rest / 2, rel=0.02)
+    assert fsdp.params_bytes == pytest.approx((experts + rest) / 4, rel=0.02)
 
 
 def test_sliding_window_layers_count_only_the_pairs_they_attend():

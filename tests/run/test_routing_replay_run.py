@@ -1,5 +1,5 @@
-"""Routing replay end to end: an MoE run with learner.routing_replay SIGKILLed four times trains
-every prompt exactly once, and every sample saved half-finished (or finished) in a checkpoint
+"""Routing replay end to end: an MoE run with learner.routing_replay SIGKILLed four times (and
+resumed with its experts split over an expert axis) trains every prompt exactly once, and every sample saved half-finished (or finished) in a checkpoint
 before a kill is trained with the routes recorded before the kill (docs/design.md, "Routing
 replay"; I1, I5)."""
 import random
@@ -47,7 +47,8 @@ def test_routing_replay_crash_keeps_the_routes_recorded_before_each_kill(tmp_pat
     rng = random.Random(1)
     schedule = [("at", f"ckpt_write:{step + 1}"), ("random", step + 2, rng.uniform(0, 0.4)),
                 ("at", f"ckpt_saved:{step + 3}"), ("random", step + 4, rng.uniform(0, 0.4))]
-    final = crash_and_finish(run, RUN, xla_cache, schedule=schedule)
+    # resumed on an expert-parallel mesh: each of the 4 devices' learner holds 2 of the 4 experts
+    final = crash_and_finish(run, [*RUN, "mesh.expert=2"], xla_cache, schedule=schedule)
     assert final["delivered"] >= 4 and final["reason"] == "data_exhausted"
     rep = audit(run)
     assert rep["ok"], rep
