@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as PS
 from async_rl.config import Config, ConfigError
 from async_rl.learner import losses
 from async_rl.learner.batch import Batch, Row, build_batch, widen  # noqa: F401  (Row, build_batch: the learner's input)
-from async_rl.model import attention, sharding
+from async_rl.model import attention, moe, sharding
 from async_rl.model import lora as lora_mod
 from async_rl.model.transformer import Transformer
 
@@ -119,7 +119,7 @@ class Learner:
         self.attn = attention.resolve(cfg.model.attention, platform, cfg.model.dtype, mesh, sharding.BATCH_AXES,
                                       "tensor")
         self._layer_unroll = self.layer_unroll(platform, cfg.model.n_layers)
-        self.gather = sharding.layer_gatherer(mesh, cfg.model.dtype)
+        self.gather = sharding.layer_gatherer(mesh, cfg.model.dtype, keep=("experts",) if moe.in_shard_map(self.attn) else ())
         self._check_splits(cfg, mesh)
         self.tx = make_optimizer(cfg, horizon)
         self.lora = lora_mod.spec(cfg)

@@ -60,6 +60,13 @@ def _param(rngs: nnx.Rngs, stack: int, shape: tuple, axes: tuple, std: float, dt
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
 
 
+def in_shard_map(spec) -> bool:
+    """Whether `MoE.experts` computes inside a shard_map on `spec`'s mesh (an `attention.Spec`),
+    gathering the experts' fsdp shards itself: on a TPU, or with an expert axis."""
+    mesh = spec.mesh if spec is not None else None
+    return mesh is not None and mesh.size > 1 and (spec.platform == "tpu" or mesh.shape.get("expert", 1) > 1)
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int = 0):
         d, f, e = cfg.d_model, cfg.d_ff_expert, cfg.n_experts
@@ -87,23 +94,28 @@ class MoE(nnx.Module):
 
     def experts(self, x_NxD, w_NxK, e_NxK, spec=None):
         """sum_j w[n, j] * expert_{e[n, j]}(x[n]) for every token n, dropless. `spec`: the
-        learner's `attention.Spec`. Inside a shard_map when the mesh has an expert axis (each
-        device computes its own experts for the rows of its expert group, `_experts`) or on a
-        TPU (megablox, a Pallas kernel, is not partitioned by XLA); the experts' F axis split
-        over the head axis there."""
+        `attention.Spec` of the mesh. On a TPU or with an expert axis, inside a shard_map
+        (`in_shard_map`: megablox, a Pallas kernel, is not partitioned by XLA; the expert axis's
+        gathers are explicit): each device computes its own rows, or with an expert axis its own
+        experts for the rows of its expert group (`_experts`); the experts' F axis split over the
+        head axis, their D axis gathered over fsdp in there, so that their gradient leaves as a
+        reduce-scatter (`sharding.layer_gatherer` leaves them to it)."""
         ws = tuple(p[...].astype(self.dtype) for p in (self.experts_gate, self.experts_up, self.experts_down))
         mesh = spec.mesh if spec is not None else None
         tpu = spec is not None and spec.platform == "tpu"
         ep = "expert" if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
         fn = functools.partial(_experts, impl="megablox" if tpu else "xla")
-        if mesh is None or mesh.size == 1 or not (tpu or ep):
+        if not in_shard_map(spec):
             return fn(x_NxD, w_NxK, e_NxK, *ws)
         nb = math.prod(mesh.shape[a] for a in spec.batch_axes)
         rows = P(spec.batch_axes if spec.batch_axes and x_NxD.shape[0] % nb == 0 else None, None)
         t = spec.head_axis if spec.head_axis and ws[0].shape[-1] % mesh.shape[spec.head_axis] == 0 else None
+        # the experts' D axis stays split over fsdp into the shard_map and is gathered there, so
+        # the gradient leaves it as a reduce-scatter (across its boundary: an all-reduce)
+        fs = "fsdp" if mesh.shape.get("fsdp", 1) > 1 and ws[0].shape[1] % mesh.shape["fsdp"] == 0 else None
         gather = ep is not None and ep in (rows[0] or ())
-        f = jax.shard_map(functools.partial(fn, tensor_axis=t, expert_axis=ep, gather=gather), mesh=mesh,
-                          in_specs=(rows, rows, rows, P(ep, None, t), P(ep, None, t), P(ep, t, None)),
+        f = jax.shard_map(functools.partial(fn, tensor_axis=t, expert_axis=ep, gather=gather, fsdp_axis=fs),
+                          mesh=mesh, in_specs=(rows, rows, rows, P(ep, fs, t), P(ep, fs, t), P(ep, t, fs)),
                           out_specs=rows, check_vma=False)
         return f(x_NxD, w_NxK, e_NxK, *ws)
 
@@ -124,12 +136,16 @@ class MoE(nnx.Module):
 
 
 def _experts(x_NxD, w_NxK, e_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, impl: str,
-             tensor_axis: str | None = None, expert_axis: str | None = None, gather: bool = False):
+             tensor_axis: str | None = None, expert_axis: str | None = None, gather: bool = False,
+             fsdp_axis: str | None = None):
     """`MoE.experts` on arrays: the (token, j) pairs sorted by expert, three grouped matmuls,
     the weighted outputs added back per token. Inside a shard_map: summed over `tensor_axis`;
     with `expert_axis` the weights are this device's run of experts, so its pairs for other
     experts are sorted past every group and their outputs zeroed, and the rows of the expert
     group (`gather`: gathered here, else every device's already) are summed back over it."""
+    if fsdp_axis:
+        gate_ExDxF, up_ExDxF = (jax.lax.all_gather(w, fsdp_axis, axis=1, tiled=True) for w in (gate_ExDxF, up_ExDxF))
+        down_ExFxD = jax.lax.all_gather(down_ExFxD, fsdp_axis, axis=2, tiled=True)
     el = gate_ExDxF.shape[0]  # the experts held here
     if expert_axis and gather:
         x_NxD, w_NxK, e_NxK = (jax.lax.all_gather(a, expert_axis, tiled=True) for a in (x_NxD, w_NxK, e_NxK))

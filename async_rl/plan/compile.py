@@ -52,6 +52,7 @@ from jax.sharding import Mesh
 
 from async_rl import config as C
 from async_rl.model import flops, sharding
+from async_rl.plan import collectives
 from async_rl.plan import gpu as plan_gpu
 from async_rl.plan.chips import NOMINAL_CPU, TPUS, Chip, GiB
 
@@ -97,6 +98,7 @@ class Part:
     flops: float = 0.0  # XLA cost model, every loop iteration counted, plus kernel FLOPs
     kernel_flops: float = 0.0  # of which: fused attention and MoE expert kernels, from the formula
     bytes_accessed: float = 0.0
+    sent_bytes: float = 0.0  # bytes a chip sends in collectives per step (or decode step): a ring estimate
     model_flops: float = 0.0
     error: str = ""
     teacher_bytes: int = 0  # learner: a distillation teacher's parameters on a chip (learner.distill)
@@ -155,7 +157,8 @@ class Report:
             out.update(learner_bytes_per_chip=lp.total_bytes, learner_params_bytes_per_chip=lp.params_bytes,
                        learner_opt_bytes_per_chip=lp.opt_bytes, learner_temp_bytes_per_chip=lp.temp_bytes,
                        flops_per_chip=lp.flops, kernel_flops_per_chip=lp.kernel_flops,
-                       bytes_accessed_per_chip=lp.bytes_accessed, model_flops_per_chip=lp.model_flops,
+                       bytes_accessed_per_chip=lp.bytes_accessed, collective_bytes_sent_per_chip=lp.sent_bytes,
+                       model_flops_per_chip=lp.model_flops,
                        learner_compile_s=lp.compile_s, learner_error=lp.error or None,
                        attention=lp.attention or None, experts=lp.experts or None)
         ep = self.parts.get("engine")
@@ -164,6 +167,7 @@ class Report:
                        engine_bytes_per_chip=ep.total_bytes, engine_params_bytes_per_chip=ep.params_bytes,
                        engine_kv_bytes_per_chip=ep.kv_bytes, engine_temp_bytes_per_chip=ep.temp_bytes,
                        engine_bytes_accessed_per_decode_step=ep.bytes_accessed,
+                       engine_collective_bytes_sent_per_decode_step=ep.sent_bytes,
                        engine_decode_read_ratio=(ep.bytes_accessed / (ep.params_bytes + ep.kv_bytes)
                                                  if ep.bytes_accessed else None),
                        engine_compile_s=ep.compile_s, engine_error=ep.error or None)
@@ -225,12 +229,16 @@ def _oom_bytes(msg: str) -> int | None:
     return int(float(m.group(1)) * unit[m.group(2)])
 
 
-def _cost(compiled) -> tuple[float, float]:
+def _cost(compiled) -> tuple[float, float, float]:
+    """(FLOPs, bytes accessed, bytes sent in collectives) per device; loop bodies count once."""
+    text = compiled.as_text()
+    parts = re.search(r"num_partitions=(\d+)", text)
+    sent = collectives.sent_bytes(text, int(parts.group(1)) if parts else 1)
     ca = compiled.cost_analysis()
     if not ca:  # compiled for a GPU description: no cost analysis of its own
-        return plan_gpu.hlo_cost(compiled)
+        return (*plan_gpu.hlo_cost(compiled), sent)
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0)), sent
 
 
 def peak_bytes(ma) -> int:
@@ -270,7 +278,7 @@ def learner_part(cfg: C.Config, vocab: int, mesh: Mesh, chip: Chip, cost: bool =
         part.experts = "megablox (Pallas TPU kernels)" if learner.attn.platform == "tpu" else \
             f"XLA ragged_dot (every expert on every row on this platform: {cfg.model.n_experts}x a grouped matmul's work)"
     if cost:
-        part.flops, part.bytes_accessed = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled)),
+        part.flops, part.bytes_accessed, part.sent_bytes = (float(v) for v in _loop_cost(cfg, learner, mesh, np.array(_cost(compiled)),
                                                                         teacher))
         if part.attention.startswith(("splash", "cuDNN")):
             part.kernel_flops = flops.kernel_flops(cfg, backward=7 if learner.attn.impl == "splash" else 5,
@@ -452,7 +460,7 @@ def engine_part(cfg: C.Config, vocab: int, devices: list, chip: Chip, cost: bool
         two, three = (np.array(_cost(_decode_call(eng_l).lower(p_l, s_l, *_decode_extra(eng_l)).compile()))
                       / eng_l.steps_per_call
                       for eng_l, p_l, s_l in (_engine(cfg, vocab, devices, n, unroll=True) for n in (2, 3)))
-        part.flops, part.bytes_accessed = (float(v) for v in two + (cfg.model.n_layers - 2) * (three - two))
+        part.flops, part.bytes_accessed, part.sent_bytes = (float(v) for v in two + (cfg.model.n_layers - 2) * (three - two))
     return part
 
 
@@ -547,7 +555,8 @@ def format_report(rep: Report) -> str:
                   f"{_si(lp.model_flops, 'FLOP')}",
                   f"  at {rep.chip.peak_flops / 1e12:.0f} TFLOP/s and {rep.chip.hbm_bandwidth / 1e9:,.0f} GB/s "
                   f"(published): compute {lp.flops / rep.chip.peak_flops:.2f} s, memory "
-                  f"{lp.bytes_accessed / rep.chip.hbm_bandwidth:.2f} s"]
+                  f"{lp.bytes_accessed / rep.chip.hbm_bandwidth:.2f} s",
+                  f"  collectives: {_si(lp.sent_bytes, 'B')} sent per chip (ring estimate; not in the estimate below)"]
     if lp.flops and rep.mesh.get("expert", 1) > 1 and lp.experts.startswith("megablox"):
         lines.append(f"  (megablox states its cost for every row its expert group gathers: up to mesh.expert = "
                      f"{rep.mesh['expert']} x the pairs it computes, so these are upper bounds)")

@@ -81,8 +81,9 @@ def test_cost_counts_every_loop_iteration(monkeypatch):
     monkeypatch.setattr(PL, "_loop_cost", lambda c, l, m, xla, t=None: (counted.append(xla), loop_cost(c, l, m, xla, t))[1])
     part = PL.learner_part(cfg, 64, mesh, chips.NOMINAL_CPU)
     _, _, _, _, _, lowered = PL._lower(cfg, 64, mesh, unroll=True)
-    xla_flops, nbytes = PL._cost(lowered.compile())
+    xla_flops, nbytes, sent = PL._cost(lowered.compile())
     assert part.flops == pytest.approx(xla_flops, rel=0.05)
+    assert part.sent_bytes == pytest.approx(sent, rel=0.05)  # the collectives' bytes scaled alike
     assert counted[0][0] < 0.7 * xla_flops  # what XLA alone says of the scanned step
     assert part.model_flops == pytest.approx(sum(flops.step_flops(cfg, 64).values()) / 4)
 

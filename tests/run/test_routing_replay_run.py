@@ -1,7 +1,7 @@
 """Routing replay end to end: an MoE run with learner.routing_replay SIGKILLed four times (and
-resumed with its experts split over an expert axis) trains every prompt exactly once, and every sample saved half-finished (or finished) in a checkpoint
-before a kill is trained with the routes recorded before the kill (docs/design.md, "Routing
-replay"; I1, I5)."""
+resumed with its experts split over an expert axis) trains every prompt exactly once, and
+every sample saved half-finished (or finished) in a checkpoint before a kill is trained with
+the routes recorded before the kill (docs/design.md, "Routing replay"; I1, I5)."""
 import random
 import shutil
 
