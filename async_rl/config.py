@@ -210,6 +210,12 @@ class ModelConfig:
     def moe(self) -> bool:
         return self.n_experts > 0
 
+    @property
+    def unread(self) -> bool:
+        """model.hf_path names a checkpoint whose config.json has not set these fields yet
+        (`hf.resolve` does): what depends on the architecture cannot be checked until then."""
+        return bool(self.hf_path) and not self.n_layers
+
     def local_layers(self) -> tuple[bool, ...]:
         """Per layer: True where attention is sliding-window (local)."""
         every = self.global_every
@@ -429,13 +435,13 @@ class Config:
             mlp = [n for n in LORA_GROUPS["mlp"] if n in self.learner.lora_projections()]
             _check(not mlp, "learner.lora_targets", self.learner.lora_targets, "MoE blocks take no adapters on "
                    f"their experts ({', '.join(mlp)}); set learner.lora_targets=attention")
-        if self.mesh.expert > 1 and (self.model.n_layers or not self.model.hf_path):  # an HF model once read
+        if self.mesh.expert > 1 and not self.model.unread:
             _check(self.model.moe, "mesh.expert", self.mesh.expert,
                    "needs a mixture-of-experts model (model.n_experts > 0): a dense model has no experts to split")
             _check(self.model.n_experts % self.mesh.expert == 0, "mesh.expert", self.mesh.expert,
                    f"must divide model.n_experts ({self.model.n_experts})")
         if self.learner.routing_replay:
-            _check(self.model.moe or (bool(self.model.hf_path) and not self.model.n_layers), "learner.routing_replay",
+            _check(self.model.moe or self.model.unread, "learner.routing_replay",
                    True, "needs a mixture-of-experts model (model.n_experts > 0): a dense model has no routes")
             _check(self.engine.backend == "builtin", "learner.routing_replay", True,
                    f"needs engine.backend=builtin (engine.backend={self.engine.backend} returns no routes yet)")

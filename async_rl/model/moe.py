@@ -101,12 +101,11 @@ class MoE(nnx.Module):
         head axis, their D axis gathered over fsdp in there, so that their gradient leaves as a
         reduce-scatter (`sharding.layer_gatherer` leaves them to it)."""
         ws = tuple(p[...].astype(self.dtype) for p in (self.experts_gate, self.experts_up, self.experts_down))
-        mesh = spec.mesh if spec is not None else None
-        tpu = spec is not None and spec.platform == "tpu"
-        ep = "expert" if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
-        fn = functools.partial(_experts, impl="megablox" if tpu else "xla")
+        fn = functools.partial(_experts, impl="megablox" if spec is not None and spec.platform == "tpu" else "xla")
         if not in_shard_map(spec):
             return fn(x_NxD, w_NxK, e_NxK, *ws)
+        mesh = spec.mesh
+        ep = "expert" if mesh.shape.get("expert", 1) > 1 else None
         nb = math.prod(mesh.shape[a] for a in spec.batch_axes)
         rows = P(spec.batch_axes if spec.batch_axes and x_NxD.shape[0] % nb == 0 else None, None)
         t = spec.head_axis if spec.head_axis and ws[0].shape[-1] % mesh.shape[spec.head_axis] == 0 else None

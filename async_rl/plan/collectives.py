@@ -66,10 +66,10 @@ def sent_bytes(hlo_text: str, devices: int) -> float:
         if m.group("phase") == "-start" and op != "all-reduce":
             arrays = arrays[len(arrays) // 2:]
         size = sum(arrays)
-        g = _group_size(m.group("rest"), devices) if op != "collective-permute" else 2
-        if g <= 1:
+        if op == "collective-permute":  # each device sends its buffer once, whatever the pairs
+            total += size
             continue
+        g = _group_size(m.group("rest"), devices)
         total += {"all-gather": size * (g - 1) / g, "reduce-scatter": size * (g - 1),
-                  "all-reduce": 2 * size * (g - 1) / g, "all-to-all": size * (g - 1) / g,
-                  "collective-permute": size}[op]
+                  "all-reduce": 2 * size * (g - 1) / g, "all-to-all": size * (g - 1) / g}[op]
     return total
